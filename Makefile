@@ -1,0 +1,80 @@
+# tsbatch: two commands set everything up. `make serve` serves the default model, `make test` runs the suite.
+SHELL := /bin/bash
+PY ?= python3
+VENV ?= .venv
+PYTHON := $(VENV)/bin/python
+# A CPU build of torch; a plain `torch` would pull a multi-GB CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+TF4_SPEC ?= transformers==4.57.6
+
+MODEL_DIR ?=
+NAME ?= minilm
+TASK ?= embedding
+STORE ?= model_store
+RUN_DIR ?= $(CURDIR)/.run
+INFERENCE ?= http://127.0.0.1:8080
+MANAGEMENT ?= http://127.0.0.1:8081
+PYTEST_ARGS ?=
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+SERVE_ENV = TMPDIR=$(RUN_DIR)/tmp LOG_LOCATION=$(RUN_DIR)/logs METRICS_LOCATION=$(RUN_DIR)/logs PATH=$(CURDIR)/$(VENV)/bin:$$PATH
+
+.PHONY: setup java archive serve stop test test-unit test-transformers4 clean help
+
+help:
+	@echo "make serve    set up, archive all-MiniLM-L6-v2 as '$(NAME)' and serve it on 127.0.0.1:8080-8082"
+	@echo "make stop     stop that torchserve"
+	@echo "make archive  build $(STORE)/NAME.mar and $(STORE)/config.properties [MODEL_DIR=… NAME=… TASK=…]"
+	@echo "make test     set up and run the whole test suite"
+
+$(VENV)/.installed: setup.cfg pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(PYTHON) -m pip install -q --upgrade pip
+	$(PYTHON) -m pip install -q "$(TORCH_SPEC)"
+	$(PYTHON) -m pip install -q -e '.[test]'
+	touch $@
+
+# TorchServe's frontend needs a Java runtime (11 or newer); install 17 where none is found.
+java:
+	@if ! command -v java >/dev/null 2>&1; then \
+		echo "installing openjdk-17-jre-headless"; \
+		$(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q openjdk-17-jre-headless; \
+	fi
+
+setup: $(VENV)/.installed java
+
+archive: setup
+	$(PYTHON) -m archiver archive $(if $(MODEL_DIR),--model-dir "$(MODEL_DIR)") --name $(NAME) --task $(TASK) --out $(STORE)
+
+serve: archive
+	@$(MAKE) --no-print-directory stop >/dev/null
+	@mkdir -p $(RUN_DIR)/tmp $(RUN_DIR)/logs
+	@cd $(RUN_DIR) && $(SERVE_ENV) torchserve --start --ncs --ts-config $(CURDIR)/$(STORE)/config.properties \
+		--model-store $(CURDIR)/$(STORE) > $(RUN_DIR)/logs/torchserve-start.log 2>&1 < /dev/null
+	@$(PYTHON) -m archiver wait-ready --management $(MANAGEMENT) --name $(NAME) --timeout 600 --log $(RUN_DIR)/logs/model_log.log
+	@echo
+	@echo "$(NAME) is serving. Try:"
+	@echo "  curl -s -X POST $(INFERENCE)/predictions/$(NAME) -H 'Content-Type: text/plain' --data 'A man is eating food.'"
+	@echo "Stop it with: make stop"
+
+stop:
+	@if [ -x $(VENV)/bin/torchserve ] && [ -f $(RUN_DIR)/tmp/.model_server.pid ]; then \
+		cd $(RUN_DIR) && $(SERVE_ENV) torchserve --stop; \
+	else echo "no torchserve started by make serve is running"; fi
+
+test: setup
+	$(PYTHON) -m pytest -q $(PYTEST_ARGS)
+
+test-unit: setup
+	$(PYTHON) -m pytest -q -m unit $(PYTEST_ARGS)
+
+# The handler against a transformers 4.x release, so teams pinned to 4.x keep working.
+test-transformers4: java
+	[ -x $(VENV)-tf4/bin/python ] || $(PY) -m venv $(VENV)-tf4
+	$(VENV)-tf4/bin/python -m pip install -q --upgrade pip
+	$(VENV)-tf4/bin/python -m pip install -q "$(TORCH_SPEC)" "$(TF4_SPEC)"
+	$(VENV)-tf4/bin/python -m pip install -q -e '.[test]' "$(TF4_SPEC)"
+	$(VENV)-tf4/bin/python -c 'import transformers; assert transformers.__version__.startswith("4."), transformers.__version__'
+	$(VENV)-tf4/bin/python -m pytest -q tests/unit tests/integration $(PYTEST_ARGS)
+
+clean: stop
+	rm -rf $(STORE) $(RUN_DIR) .pytest_cache

@@ -1,0 +1,1 @@
+"""tsbatch's packaging pipeline: build the .mar and a config.properties for TorchServe."""

@@ -1,0 +1,106 @@
+"""Build a TorchServe .mar from a local Hugging Face model directory.
+
+The archive holds the handler entry file at its root, the `handlers/` and `warmup/` packages, the
+model's files under `model/`, and model-config.yaml. Nothing is fetched from a hub.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from archiver.properties import dump_model_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGES = ("handlers", "warmup")
+ENTRY = os.path.join("handlers", "encoder_handler.py")
+TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "tokenizer.model", "spiece.model", "vocab.json")
+
+
+class ArchiveError(Exception):
+    """The input cannot be archived; the message says how to fix it."""
+
+
+@dataclass(frozen=True)
+class ArchiveSpec:
+    model_dir: str
+    name: str
+    model_config: Mapping[str, Any]
+    export_path: str
+    config_header: str = ""
+    extra_files: Mapping[str, str] | None = None  # archive name -> local path (e.g. the profile)
+
+
+def check_model_dir(model_dir: str) -> list[str]:
+    """The model's files to ship; refuse what cannot serve or would escape the archive."""
+    if not os.path.isdir(model_dir):
+        raise ArchiveError(f"model directory {model_dir!r} does not exist: pass MODEL_DIR=<local HF model dir>")
+    names = sorted(os.listdir(model_dir))
+    if "config.json" not in names:
+        raise ArchiveError(f"{model_dir} has no config.json: is it a Hugging Face model directory?")
+    if not any(n in names for n in TOKENIZER_FILES):
+        raise ArchiveError(f"{model_dir} has no tokenizer (one of {', '.join(TOKENIZER_FILES)})")
+    if not any(n.endswith(".safetensors") for n in names):
+        raise ArchiveError(
+            f"{model_dir} has no .safetensors weights: tsbatch loads only safetensors "
+            "(convert with model.save_pretrained(dir, safe_serialization=True))"
+        )
+    real_root = os.path.realpath(model_dir)
+    files = []
+    for name in names:
+        path = os.path.join(model_dir, name)
+        if name.startswith(".") or os.path.isdir(path):
+            continue
+        if os.path.islink(path) or ".." in name.split(os.sep):
+            raise ArchiveError(f"{path} is a symbolic link: copy the real file into the model directory")
+        if os.path.dirname(os.path.realpath(path)) != real_root:
+            raise ArchiveError(f"{path} resolves outside the model directory")
+        files.append(name)
+    return files
+
+
+def stage(spec: ArchiveSpec, workdir: str) -> tuple[str, str, str]:
+    """Lay out what the archive holds; return (handler file, extra-files dir, config file)."""
+    files = check_model_dir(spec.model_dir)
+    extra = os.path.join(workdir, "extra")
+    for package in PACKAGES:
+        shutil.copytree(
+            os.path.join(REPO, package), os.path.join(extra, package),
+            ignore=shutil.ignore_patterns("__pycache__", "*.pyc"),
+        )
+    model_out = os.path.join(extra, "model")
+    os.makedirs(model_out)
+    for name in files:
+        shutil.copy2(os.path.join(spec.model_dir, name), os.path.join(model_out, name))
+    for archive_name, local in (spec.extra_files or {}).items():
+        shutil.copy2(local, os.path.join(extra, archive_name))
+    config_path = os.path.join(workdir, "model-config.yaml")
+    with open(config_path, "w") as f:
+        f.write(dump_model_config(spec.model_config, spec.config_header))
+    return os.path.join(extra, ENTRY), extra, config_path
+
+
+def build_archive(spec: ArchiveSpec, progress: Callable[[str], None] = lambda _: None) -> str:
+    """Write `export_path/NAME.mar` with torch-model-archiver and return its path."""
+    os.makedirs(spec.export_path, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="tsbatch-archive-") as workdir:
+        progress(f"staging {spec.model_dir}")
+        handler, extra, config = stage(spec, workdir)
+        progress(f"writing {spec.name}.mar")
+        cmd = [
+            sys.executable, "-m", "model_archiver.model_packaging",
+            "--model-name", spec.name, "--version", "1.0",
+            "--handler", handler, "--extra-files", extra, "--config-file", config,
+            "--export-path", spec.export_path, "--force",
+        ]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise ArchiveError(f"torch-model-archiver failed: {done.stderr.strip() or done.stdout.strip()}")
+    path = os.path.join(spec.export_path, f"{spec.name}.mar")
+    if not os.path.exists(path):
+        raise ArchiveError(f"torch-model-archiver wrote no {path}")
+    return path

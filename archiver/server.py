@@ -1,0 +1,104 @@
+"""Start, wait for and stop a TorchServe: shared by `make serve` and the end-to-end tests.
+
+Readiness is every worker READY on the management API (TorchServe's /ping says Healthy while
+workers are still loading). One torchserve per TMPDIR: its pid file lives there.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+
+class ServerError(Exception):
+    """TorchServe did not come up (or down) as asked; the message says where to look."""
+
+
+@dataclass(frozen=True)
+class ServerPaths:
+    """Where one torchserve keeps its pid file (tmpdir) and its logs."""
+
+    tmpdir: str
+    logs: str
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(TMPDIR=self.tmpdir, LOG_LOCATION=self.logs, METRICS_LOCATION=self.logs)
+        bin_dir = os.path.dirname(sys.executable)
+        env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
+        return env
+
+
+def torchserve_bin() -> str:
+    local = os.path.join(os.path.dirname(sys.executable), "torchserve")
+    return local if os.path.exists(local) else (shutil.which("torchserve") or "torchserve")
+
+
+def start(properties: str, model_store: str, paths: ServerPaths, cwd: str | None = None) -> None:
+    """`torchserve --start` in the background, snapshots off, with this config and model store."""
+    os.makedirs(paths.tmpdir, exist_ok=True)
+    os.makedirs(paths.logs, exist_ok=True)
+    cmd = [torchserve_bin(), "--start", "--ncs", "--ts-config", properties, "--model-store", model_store]
+    # The JVM inherits these descriptors and outlives this call: a file, never a pipe we wait on.
+    out_path = os.path.join(paths.logs, "torchserve-start.log")
+    with open(out_path, "ab") as out:
+        code = subprocess.call(cmd, env=paths.env(), cwd=cwd or paths.tmpdir, stdout=out,
+                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, timeout=120)
+    if code != 0:
+        with open(out_path, errors="replace") as f:
+            raise ServerError(f"torchserve --start exited {code}: {f.read()[-2000:]}")
+
+
+def stop(paths: ServerPaths, timeout: float = 60) -> None:
+    """`torchserve --stop` for the server whose pid file is in paths.tmpdir; harmless if none runs."""
+    subprocess.call([torchserve_bin(), "--stop"], env=paths.env(), cwd=paths.tmpdir,
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=timeout)
+    pid_file = os.path.join(paths.tmpdir, ".model_server.pid")
+    deadline = time.monotonic() + timeout
+    while os.path.exists(pid_file) and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
+def running_pid(paths: ServerPaths) -> int | None:
+    """The pid of the torchserve recorded in paths.tmpdir, if that process is alive."""
+    try:
+        with open(os.path.join(paths.tmpdir, ".model_server.pid")) as f:
+            pid = int(f.read().strip())
+        os.kill(pid, 0)
+        return pid
+    except (OSError, ValueError):
+        return None
+
+
+def model_status(management_url: str, name: str) -> list[dict]:
+    with urllib.request.urlopen(f"{management_url}/models/{name}", timeout=5) as response:
+        return json.loads(response.read())
+
+
+def workers(management_url: str, name: str) -> list[dict]:
+    described = model_status(management_url, name)
+    return [w for entry in described for w in entry.get("workers", [])]
+
+
+def wait_ready(management_url: str, name: str, timeout: float, min_workers: int = 1,
+               log_hint: str = "") -> list[dict]:
+    """Block until `name` has at least min_workers workers and every one is READY."""
+    deadline = time.monotonic() + timeout
+    last = "no answer from the management API"
+    while time.monotonic() < deadline:
+        try:
+            found = workers(management_url, name)
+            states = [w.get("status") for w in found]
+            if len(found) >= min_workers and all(s == "READY" for s in states):
+                return found
+            last = f"workers {states}"
+        except (urllib.error.URLError, OSError, ValueError) as error:
+            last = str(error)
+        time.sleep(0.5)
+    raise ServerError(f"{name} not READY after {timeout:.0f}s ({last}){log_hint}")

@@ -1,0 +1,87 @@
+"""Length buckets and batch planning: which requests run together, padded to what length.
+
+A request is padded only to its own bucket's edge, never to a longer request's length, and
+batches run shortest bucket first so short requests are not held behind long ones. Pure: no torch,
+no clock; the runner executes what `plan_batches` returns.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Sequence
+
+SMALLEST_EDGE = 16
+
+
+@dataclass(frozen=True)
+class Item:
+    """A parsed, tokenized request ready to batch. `encoding` is the tokenizer's output, opaque here."""
+
+    index: int
+    text: str
+    tokens: int
+    bucket: int
+    encoding: Any = None
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Requests of one bucket that run as one forward pass, padded to `bucket` tokens."""
+
+    bucket: int
+    items: tuple[Item, ...]
+
+    @property
+    def size(self) -> int:
+        return len(self.items)
+
+    @property
+    def real_tokens(self) -> int:
+        return sum(item.tokens for item in self.items)
+
+    @property
+    def padded_tokens(self) -> int:
+        return self.bucket * len(self.items)
+
+
+def default_edges(max_length: int) -> tuple[int, ...]:
+    """Powers of two from 16 up to the model's maximum, which is always the last edge."""
+    edges = []
+    edge = SMALLEST_EDGE
+    while edge < max_length:
+        edges.append(edge)
+        edge *= 2
+    edges.append(max_length)
+    return tuple(edges)
+
+
+def check_edges(edges: Sequence[int], max_length: int) -> tuple[int, ...]:
+    """Edges above the model's maximum are dropped; the maximum is always an edge."""
+    kept = [e for e in edges if e < max_length]
+    return tuple(kept) + (max_length,)
+
+
+def bucket_for(tokens: int, edges: Sequence[int]) -> int:
+    """The smallest edge that holds `tokens`."""
+    for edge in edges:
+        if tokens <= edge:
+            return edge
+    raise ValueError(f"{tokens} tokens exceed the largest bucket edge {edges[-1]}")
+
+
+def batch_cap(bucket: int, max_batch_tokens: int) -> int:
+    """How many requests of this bucket fit the token budget of one pass (at least one)."""
+    return max(1, max_batch_tokens // bucket)
+
+
+def plan_batches(items: Iterable[Item], cap_for: Callable[[int], int]) -> list[Batch]:
+    """Group items by bucket, shortest bucket first, arrival order inside, at most cap_for(bucket) each."""
+    by_bucket: dict[int, list[Item]] = {}
+    for item in items:
+        by_bucket.setdefault(item.bucket, []).append(item)
+    batches = []
+    for bucket in sorted(by_bucket):
+        group = by_bucket[bucket]
+        cap = max(1, cap_for(bucket))
+        for start in range(0, len(group), cap):
+            batches.append(Batch(bucket, tuple(group[start : start + cap])))
+    return batches

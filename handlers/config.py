@@ -1,0 +1,136 @@
+"""The handler's configuration: the `handler:` section of model-config.yaml, validated once at load.
+
+A bad field fails `initialize()` with one message that names the field and what it got, so a
+broken archive never reaches its first request.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
+
+from handlers.errors import ConfigError
+
+
+class Task(str, enum.Enum):
+    EMBEDDING = "embedding"
+    SEQUENCE_CLASSIFICATION = "sequence_classification"
+    TOKEN_CLASSIFICATION = "token_classification"
+
+
+@dataclass(frozen=True)
+class FaultInjection:
+    """Chaos-testing seam: only model-config.yaml can switch it on, never a client."""
+
+    substring: str | None = None
+    oom_above_batch: int | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.substring is not None or self.oom_above_batch is not None
+
+
+@dataclass(frozen=True)
+class HandlerConfig:
+    task: Task
+    model_dir: str = "model"
+    truncation: bool = True
+    max_length: int | None = None
+    buckets: tuple[int, ...] | None = None
+    max_batch_tokens: int = 16384
+    isolation_budget: int = 16
+    device: str = "auto"
+    torch_threads: int | None = None
+    fault_injection: FaultInjection = field(default_factory=FaultInjection)
+
+    @classmethod
+    def from_yaml(cls, section: Mapping[str, Any] | None) -> "HandlerConfig":
+        """Build from the parsed `handler:` section; raise ConfigError naming the bad field."""
+        section = dict(section or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(section) - known)
+        if unknown:
+            raise ConfigError(
+                f"handler: unknown key(s) {unknown}; known keys are {sorted(known)}"
+            )
+        if "task" not in section:
+            raise ConfigError(
+                f"handler.task is required: one of {[t.value for t in Task]}"
+            )
+        values: dict[str, Any] = {"task": _enum(Task, "task", section["task"])}
+        if "model_dir" in section:
+            values["model_dir"] = _str("model_dir", section["model_dir"])
+        if "truncation" in section:
+            values["truncation"] = _bool("truncation", section["truncation"])
+        if section.get("max_length") is not None:
+            values["max_length"] = _positive_int("max_length", section["max_length"])
+        if section.get("buckets") is not None:
+            values["buckets"] = _edges("buckets", section["buckets"])
+        for name in ("max_batch_tokens", "isolation_budget"):
+            if name in section:
+                values[name] = _positive_int(name, section[name])
+        if "device" in section:
+            device = _str("device", section["device"])
+            if device not in ("auto", "cpu", "cuda") and not device.startswith("cuda:"):
+                raise ConfigError(f"handler.device must be auto, cpu or cuda[:N], got {device!r}")
+            values["device"] = device
+        if section.get("torch_threads") is not None:
+            values["torch_threads"] = _positive_int("torch_threads", section["torch_threads"])
+        if section.get("fault_injection") is not None:
+            values["fault_injection"] = _fault_injection(section["fault_injection"])
+        return cls(**values)
+
+
+def _fault_injection(value: Any) -> FaultInjection:
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"handler.fault_injection must be a mapping, got {value!r}")
+    unknown = sorted(set(value) - {"substring", "oom_above_batch"})
+    if unknown:
+        raise ConfigError(
+            f"handler.fault_injection: unknown key(s) {unknown}; known: substring, oom_above_batch"
+        )
+    substring = value.get("substring")
+    if substring is not None:
+        substring = _str("fault_injection.substring", substring)
+        if not substring:
+            raise ConfigError("handler.fault_injection.substring must not be empty")
+    oom = value.get("oom_above_batch")
+    if oom is not None:
+        oom = _positive_int("fault_injection.oom_above_batch", oom)
+    return FaultInjection(substring=substring, oom_above_batch=oom)
+
+
+def _enum(kind: type[enum.Enum], name: str, value: Any):
+    try:
+        return kind(value)
+    except ValueError:
+        raise ConfigError(
+            f"handler.{name} must be one of {[k.value for k in kind]}, got {value!r}"
+        ) from None
+
+
+def _str(name: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"handler.{name} must be a string, got {value!r}")
+    return value
+
+
+def _bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"handler.{name} must be true or false, got {value!r}")
+    return value
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"handler.{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def _edges(name: str, value: Any) -> tuple[int, ...]:
+    if not isinstance(value, (list, tuple)) or not value:
+        raise ConfigError(f"handler.{name} must be a non-empty list of token lengths, got {value!r}")
+    edges = tuple(_positive_int(f"{name}[{i}]", v) for i, v in enumerate(value))
+    if any(b <= a for a, b in zip(edges, edges[1:])):
+        raise ConfigError(f"handler.{name} must be strictly increasing, got {list(edges)}")
+    return edges

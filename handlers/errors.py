@@ -1,0 +1,65 @@
+"""Typed errors that carry their HTTP status, and the one table that turns them into responses.
+
+A request's failure is one of these; `to_body` is the only place a JSON error body is built,
+so every client sees the same shape: {"error": "...", "code": N}.
+"""
+from __future__ import annotations
+
+
+class ServingError(Exception):
+    """A failure of one request, with the HTTP status the client should get."""
+
+    status = 500
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+    def to_body(self) -> dict:
+        return {"error": self.message, "code": self.status}
+
+
+class BadInput(ServingError):
+    """The request itself is malformed: the client must change it."""
+
+    status = 400
+
+
+class InputTooLong(ServingError):
+    """More tokens than the model takes, and truncation is off."""
+
+    status = 413
+
+
+class ModelFailed(ServingError):
+    """The model raised on this input (found alone, after isolation)."""
+
+    status = 500
+
+
+class ModelUnavailable(ServingError):
+    """The model fails for every input: retrying elsewhere may help, retrying here will not."""
+
+    status = 503
+
+
+class Overloaded(ServingError):
+    """The worker's queue is full: retry later."""
+
+    status = 503
+
+
+class DeadlineExceeded(ServingError):
+    """The request's deadline passed before it could be answered."""
+
+    status = 504
+
+
+class OutOfMemory(ServingError):
+    """The input does not fit in memory even in a batch of one."""
+
+    status = 507
+
+
+class ConfigError(ValueError):
+    """A bad handler configuration: raised at load, never on a request."""

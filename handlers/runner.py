@@ -1,0 +1,204 @@
+"""The model runner: the only module that touches torch, transformers and the device.
+
+It tokenizes one request at a time (so each request's length is known before batching) and runs
+one planned Batch as one forward pass, padded to the batch's bucket edge.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import transformers
+from transformers import (
+    AutoModel,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+    AutoTokenizer,
+)
+
+from handlers.buckets import Batch
+from handlers.config import FaultInjection, HandlerConfig, Task
+from handlers.entities import group_entities
+from handlers.errors import ConfigError, InputTooLong
+
+logger = logging.getLogger(__name__)
+
+_MODEL_CLASSES = {
+    Task.EMBEDDING: AutoModel,
+    Task.SEQUENCE_CLASSIFICATION: AutoModelForSequenceClassification,
+    Task.TOKEN_CLASSIFICATION: AutoModelForTokenClassification,
+}
+_PAD_VALUES = {"attention_mask": 0, "token_type_ids": 0}
+
+
+class InjectedFault(RuntimeError):
+    """Raised by the fault-injection seam in place of a real model failure."""
+
+
+@dataclass(frozen=True)
+class Encoding:
+    """One request's tokenizer output, unpadded."""
+
+    features: dict[str, list[int]]
+    offsets: list[tuple[int, int]] | None = None
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"handler.device is {name!r} but torch sees no CUDA device")
+    return torch.device(name)
+
+
+def model_max_length(model_path: str, tokenizer, model_config) -> int:
+    """The longest input the model takes: sentence-transformers' setting first, as encode() does."""
+    limits = []
+    st_config = os.path.join(model_path, "sentence_bert_config.json")
+    if os.path.exists(st_config):
+        with open(st_config) as f:
+            st_max = json.load(f).get("max_seq_length")
+        if isinstance(st_max, int) and st_max > 0:
+            limits.append(st_max)
+    positions = getattr(model_config, "max_position_embeddings", None)
+    if isinstance(positions, int) and positions > 0:
+        limits.append(positions)
+    tok_max = getattr(tokenizer, "model_max_length", None)
+    if isinstance(tok_max, int) and 0 < tok_max < 1_000_000:
+        limits.append(tok_max)
+    if not limits:
+        raise ConfigError(f"cannot tell the maximum length of {model_path}: set handler.max_length")
+    return min(limits)
+
+
+class ModelRunner:
+    """Loads a Hugging Face encoder from a local directory and runs planned batches on it."""
+
+    def __init__(self, config: HandlerConfig, model_path: str):
+        if not os.path.isdir(model_path):
+            raise ConfigError(f"model directory {model_path} does not exist")
+        self.config = config
+        self.task = config.task
+        self.device = resolve_device(config.device)
+        if config.torch_threads:
+            torch.set_num_threads(config.torch_threads)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+        if not getattr(self.tokenizer, "is_fast", False) and self.task is Task.TOKEN_CLASSIFICATION:
+            raise ConfigError("token_classification needs a fast tokenizer (tokenizer.json) for offsets")
+        model = _MODEL_CLASSES[self.task].from_pretrained(
+            model_path, local_files_only=True, use_safetensors=True
+        )
+        self.model = model.to(self.device, dtype=torch.float32).eval()
+        limit = model_max_length(model_path, self.tokenizer, self.model.config)
+        self.max_length = min(config.max_length, limit) if config.max_length else limit
+        self.pad_id = self.tokenizer.pad_token_id or 0
+        self.id2label = {int(k): v for k, v in (self.model.config.id2label or {}).items()}
+        self.fault = config.fault_injection
+        self.model_name = os.path.basename(os.path.normpath(model_path))
+
+    def describe(self) -> dict[str, Any]:
+        """What the latency profile and logs record about this runner."""
+        return {
+            "device": str(self.device),
+            "dtype": "float32",
+            "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "task": self.task.value,
+            "max_length": self.max_length,
+        }
+
+    # -- tokenize: one request -> its token count and unpadded encoding
+    def tokenize(self, text: str) -> tuple[int, Encoding]:
+        truncate = self.config.truncation
+        out = self.tokenizer(
+            text,
+            truncation=truncate,
+            max_length=self.max_length if truncate else None,
+            return_offsets_mapping=self.task is Task.TOKEN_CLASSIFICATION,
+            verbose=False,
+        )
+        ids = out["input_ids"]
+        if len(ids) > self.max_length:
+            raise InputTooLong(
+                f"input is {len(ids)} tokens, the model takes at most {self.max_length}: "
+                "shorten the text (truncation is off for this model)"
+            )
+        features = {k: list(v) for k, v in out.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
+        offsets = [tuple(o) for o in out["offset_mapping"]] if "offset_mapping" in out else None
+        return len(ids), Encoding(features, offsets)
+
+    # -- run: one planned batch -> one result per item, in the batch's order
+    @torch.inference_mode()
+    def run(self, batch: Batch) -> list[dict[str, Any]]:
+        self._inject_faults(batch)
+        inputs = self._collate([item.encoding for item in batch.items], batch.bucket)
+        outputs = self.model(**inputs)
+        if self.task is Task.EMBEDDING:
+            return self._embeddings(outputs.last_hidden_state, inputs["attention_mask"], batch)
+        if self.task is Task.SEQUENCE_CLASSIFICATION:
+            return self._sequence_labels(outputs.logits)
+        return self._entities(outputs.logits, batch)
+
+    def _inject_faults(self, batch: Batch) -> None:
+        fault: FaultInjection = self.fault
+        if not fault.enabled:
+            return
+        if fault.substring is not None and any(fault.substring in item.text for item in batch.items):
+            raise InjectedFault(f"fault injection: input contains {fault.substring!r}")
+        if fault.oom_above_batch is not None and batch.size > fault.oom_above_batch:
+            raise MemoryError(
+                f"fault injection: out of memory for batch of {batch.size} > {fault.oom_above_batch}"
+            )
+
+    def _collate(self, encodings: Sequence[Encoding], length: int) -> dict[str, torch.Tensor]:
+        columns: dict[str, list[list[int]]] = {}
+        for enc in encodings:
+            for key, values in enc.features.items():
+                pad = _PAD_VALUES.get(key, self.pad_id)
+                columns.setdefault(key, []).append(values + [pad] * (length - len(values)))
+        return {k: torch.tensor(v, dtype=torch.long, device=self.device) for k, v in columns.items()}
+
+    def _embeddings(self, hidden: torch.Tensor, mask: torch.Tensor, batch: Batch) -> list[dict]:
+        weights = mask.unsqueeze(-1).to(hidden.dtype)
+        summed = (hidden * weights).sum(dim=1)
+        pooled = summed / weights.sum(dim=1).clamp(min=1e-9)
+        vectors = torch.nn.functional.normalize(pooled, p=2, dim=1).float().cpu().tolist()
+        return [
+            {"embedding": vec, "tokens": item.tokens} for vec, item in zip(vectors, batch.items)
+        ]
+
+    def _label(self, index: int) -> str:
+        return self.id2label.get(index, f"LABEL_{index}")
+
+    def _sequence_labels(self, logits: torch.Tensor) -> list[dict]:
+        probs = torch.softmax(logits.float(), dim=-1).cpu()
+        results = []
+        for row in probs:
+            best = int(row.argmax())
+            results.append(
+                {
+                    "label": self._label(best),
+                    "score": float(row[best]),
+                    "scores": {self._label(i): float(p) for i, p in enumerate(row.tolist())},
+                }
+            )
+        return results
+
+    def _entities(self, logits: torch.Tensor, batch: Batch) -> list[dict]:
+        probs = torch.softmax(logits.float(), dim=-1).cpu()
+        results = []
+        for row, item in zip(probs, batch.items):
+            tokens = []
+            for pos, (start, end) in enumerate(item.encoding.offsets or []):
+                if start == end:  # special or padding token
+                    continue
+                best = int(row[pos].argmax())
+                tokens.append((self._label(best), float(row[pos][best]), start, end))
+            results.append({"entities": group_entities(tokens, item.text)})
+        return results
+
