@@ -23,7 +23,8 @@ from handlers.parse import parse_text, row_value
 logger = logging.getLogger(__name__)
 
 JSON = "application/json"
-BATCH_SIZE_HEADER = "x-tsbatch-batch-size"
+BATCH_SIZE_HEADER = "x-tsbatch-batch-size"  # requests in the frontend batch this one came in
+WORKER_HEADER = "x-tsbatch-worker"  # pid of the worker process that answered
 
 
 class EncoderHandler:
@@ -103,6 +104,7 @@ class EncoderHandler:
         for index, outcome in enumerate(outcomes):
             context.set_response_content_type(index, JSON)
             context.set_response_header(index, BATCH_SIZE_HEADER, str(len(outcomes)))
+            context.set_response_header(index, WORKER_HEADER, str(os.getpid()))
             if isinstance(outcome, ServingError):
                 context.set_response_status(outcome.status, HTTPStatus(outcome.status).phrase, idx=index)
                 bodies.append(json.dumps(outcome.to_body()))

