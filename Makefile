@@ -57,9 +57,7 @@ serve: archive
 	@echo "Stop it with: make stop"
 
 stop:
-	@if [ -x $(VENV)/bin/torchserve ] && [ -f $(RUN_DIR)/tmp/.model_server.pid ]; then \
-		cd $(RUN_DIR) && $(SERVE_ENV) torchserve --stop; \
-	else echo "no torchserve started by make serve is running"; fi
+	@if [ -x $(PYTHON) ]; then $(PYTHON) -m archiver stop --run-dir $(RUN_DIR); fi
 
 test: setup
 	$(PYTHON) -m pytest -q $(PYTEST_ARGS)

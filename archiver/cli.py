@@ -60,7 +60,16 @@ def build_parser() -> argparse.ArgumentParser:
     ready.add_argument("--workers", type=int, default=1, help="workers that must be READY")
     ready.add_argument("--timeout", type=float, default=600, help="seconds to wait (default 600)")
     ready.add_argument("--log", default="", help="log file to point at when it fails")
+    stop = sub.add_parser("stop", help="stop the torchserve whose pid file is in RUN_DIR/tmp and wait for it to exit")
+    stop.add_argument("--run-dir", default=".run", help="the directory `make serve` ran torchserve in")
     return parser
+
+
+def cmd_stop(args) -> int:
+    run_dir = os.path.abspath(args.run_dir)
+    paths = server.ServerPaths(os.path.join(run_dir, "tmp"), os.path.join(run_dir, "logs"))
+    print("tsbatch: torchserve stopped" if server.stop(paths) else "tsbatch: no torchserve was running")
+    return 0
 
 
 def cmd_wait_ready(args) -> int:
@@ -99,7 +108,7 @@ def cmd_archive(args) -> int:
     return 0
 
 
-COMMANDS = {"archive": cmd_archive, "wait-ready": cmd_wait_ready}
+COMMANDS = {"archive": cmd_archive, "wait-ready": cmd_wait_ready, "stop": cmd_stop}
 
 
 def main(argv: list[str] | None = None) -> int:

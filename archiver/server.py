@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -55,14 +56,33 @@ def start(properties: str, model_store: str, paths: ServerPaths, cwd: str | None
             raise ServerError(f"torchserve --start exited {code}: {f.read()[-2000:]}")
 
 
-def stop(paths: ServerPaths, timeout: float = 60) -> None:
-    """`torchserve --stop` for the server whose pid file is in paths.tmpdir; harmless if none runs."""
+def stop(paths: ServerPaths, timeout: float = 60) -> bool:
+    """`torchserve --stop` for the server whose pid file is in paths.tmpdir, and wait until its
+    process has exited (so its ports are free again). False if none was running."""
+    pid = running_pid(paths)
+    if pid is None:
+        return False
     subprocess.call([torchserve_bin(), "--stop"], env=paths.env(), cwd=paths.tmpdir,
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=timeout)
-    pid_file = os.path.join(paths.tmpdir, ".model_server.pid")
     deadline = time.monotonic() + timeout
-    while os.path.exists(pid_file) and time.monotonic() < deadline:
+    while _alive(pid):
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            break
         time.sleep(0.2)
+    return True
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    try:  # a zombie child of ours counts as gone
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return True
 
 
 def running_pid(paths: ServerPaths) -> int | None:

@@ -24,6 +24,7 @@ from handlers.buckets import Batch
 from handlers.config import FaultInjection, HandlerConfig, Task
 from handlers.entities import group_entities
 from handlers.errors import ConfigError, InputTooLong
+from handlers.isolate import is_out_of_memory
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +138,12 @@ class ModelRunner:
     def run(self, batch: Batch) -> list[dict[str, Any]]:
         self._inject_faults(batch)
         inputs = self._collate([item.encoding for item in batch.items], batch.bucket)
-        outputs = self.model(**inputs)
+        try:
+            outputs = self.model(**inputs)
+        except Exception as error:
+            if self.device.type == "cuda" and is_out_of_memory(error):
+                torch.cuda.empty_cache()  # give the split halves the memory this pass held
+            raise
         if self.task is Task.EMBEDDING:
             return self._embeddings(outputs.last_hidden_state, inputs["attention_mask"], batch)
         if self.task is Task.SEQUENCE_CLASSIFICATION:
