@@ -16,7 +16,7 @@ INFERENCE ?= http://127.0.0.1:8080
 MANAGEMENT ?= http://127.0.0.1:8081
 PYTEST_ARGS ?=
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
-SERVE_ENV = TMPDIR=$(RUN_DIR)/tmp LOG_LOCATION=$(RUN_DIR)/logs METRICS_LOCATION=$(RUN_DIR)/logs PATH=$(CURDIR)/$(VENV)/bin:$$PATH
+SERVE_ENV = TMPDIR=$(RUN_DIR)/tmp TEMP=$(RUN_DIR)/tmp LOG_LOCATION=$(RUN_DIR)/logs METRICS_LOCATION=$(RUN_DIR)/logs PATH=$(CURDIR)/$(VENV)/bin:$$PATH
 
 .PHONY: setup java archive serve stop test test-unit test-transformers4 clean help
 

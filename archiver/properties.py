@@ -53,7 +53,7 @@ def render_properties(settings: ServerSettings) -> str:
         metrics_port=settings.metrics_port,
         model_store=store,
         load_models=",".join(settings.load_models),
-        allowed_urls="file://" + re.escape(store) + "/.*",
+        allowed_urls=_java_escape("file://" + re.escape(store) + "/.*"),
         enable_model_api=str(settings.enable_model_api).lower(),
         disable_token_authorization=str(not settings.token_auth).lower(),
         token_auth_word="on" if settings.token_auth else "off",
@@ -63,15 +63,21 @@ def render_properties(settings: ServerSettings) -> str:
     )
 
 
+def _java_escape(value: str) -> str:
+    """TorchServe reads config.properties with java.util.Properties, which eats one backslash."""
+    return value.replace("\\", "\\\\")
+
+
 def read_properties(text: str) -> dict[str, str]:
-    """Parse config.properties text the way TorchServe does for our keys (key=value, # comments)."""
+    """Parse config.properties text as java.util.Properties does for our keys: key=value lines,
+    # and ! comments, and backslash escapes (a backslash keeps the character after it)."""
     values = {}
     for line in text.splitlines():
         line = line.strip()
         if not line or line.startswith(("#", "!")):
             continue
         key, _, value = line.partition("=")
-        values[key.strip()] = value.strip()
+        values[key.strip()] = re.sub(r"\\(.)", r"\1", value.strip())
     return values
 
 

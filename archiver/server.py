@@ -30,7 +30,9 @@ class ServerPaths:
 
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
-        env.update(TMPDIR=self.tmpdir, LOG_LOCATION=self.logs, METRICS_LOCATION=self.logs)
+        # TMPDIR holds the pid file; TEMP becomes the JVM's java.io.tmpdir, where the workers'
+        # Unix sockets (.ts.sock.9000, ...) live: both must be private, or two servers collide.
+        env.update(TMPDIR=self.tmpdir, TEMP=self.tmpdir, LOG_LOCATION=self.logs, METRICS_LOCATION=self.logs)
         bin_dir = os.path.dirname(sys.executable)
         env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
         return env

@@ -6,6 +6,7 @@ broken archive never reaches its first request.
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
@@ -42,13 +43,24 @@ class HandlerConfig:
     device: str = "auto"
     torch_threads: int | None = None
     fault_injection: FaultInjection = field(default_factory=FaultInjection)
+    # async mode (asyncCommunication: true) only: tsbatch's own scheduler in each worker
+    max_wait_ms: int = 5
+    queue_cap: int = 256
+    age_bound_ms: int = 250
+    priority_aging_ms: int = 1000
+    deadline_ms: int = 30000
+    long_lane_from: int | None = 128
 
     @classmethod
     def from_yaml(cls, section: Mapping[str, Any] | None) -> "HandlerConfig":
         """Build from the parsed `handler:` section; raise ConfigError naming the bad field."""
-        section = dict(section or {})
+        if section is None:
+            section = {}
+        if not isinstance(section, Mapping):
+            raise ConfigError(f"handler: must be a mapping of settings, got {section!r}")
+        section = dict(section)
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(section) - known)
+        unknown = sorted(map(str, set(section) - known))
         if unknown:
             raise ConfigError(
                 f"handler: unknown key(s) {unknown}; known keys are {sorted(known)}"
@@ -66,16 +78,20 @@ class HandlerConfig:
             values["max_length"] = _positive_int("max_length", section["max_length"])
         if section.get("buckets") is not None:
             values["buckets"] = _edges("buckets", section["buckets"])
-        for name in ("max_batch_tokens", "isolation_budget"):
+        for name in ("max_batch_tokens", "isolation_budget", "max_wait_ms", "queue_cap",
+                     "age_bound_ms", "priority_aging_ms", "deadline_ms"):
             if name in section:
                 values[name] = _positive_int(name, section[name])
         if "device" in section:
             device = _str("device", section["device"])
-            if device not in ("auto", "cpu", "cuda") and not device.startswith("cuda:"):
+            if device not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", device):
                 raise ConfigError(f"handler.device must be auto, cpu or cuda[:N], got {device!r}")
             values["device"] = device
         if section.get("torch_threads") is not None:
             values["torch_threads"] = _positive_int("torch_threads", section["torch_threads"])
+        if "long_lane_from" in section:
+            lane = section["long_lane_from"]
+            values["long_lane_from"] = None if lane is None else _positive_int("long_lane_from", lane)
         if section.get("fault_injection") is not None:
             values["fault_injection"] = _fault_injection(section["fault_injection"])
         return cls(**values)
@@ -84,7 +100,7 @@ class HandlerConfig:
 def _fault_injection(value: Any) -> FaultInjection:
     if not isinstance(value, Mapping):
         raise ConfigError(f"handler.fault_injection must be a mapping, got {value!r}")
-    unknown = sorted(set(value) - {"substring", "oom_above_batch"})
+    unknown = sorted(map(str, set(value) - {"substring", "oom_above_batch"}))
     if unknown:
         raise ConfigError(
             f"handler.fault_injection: unknown key(s) {unknown}; known: substring, oom_above_batch"

@@ -4,9 +4,15 @@ TorchServe imports this file by its basename from the archive root, next to the 
 `warmup/` packages, and instantiates its one class. `handle` is a short shell over the stages
 parse -> tokenize -> bucket -> plan batches -> execute (with isolation) -> answer.
 It never raises on input: every request gets a result or its own JSON error and status.
+
+Two modes, chosen by model-config.yaml:
+- default TorchServe batching: the frontend's batch is split by bucket, shortest bucket first;
+- async mode (`asyncCommunication: true`): tsbatch's scheduler and lane threads in each worker
+  (handlers/scheduler.py, handlers/engine.py); each request is answered when its own batch ends.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -16,15 +22,19 @@ from typing import Any
 
 from handlers.buckets import Item, batch_cap, bucket_for, check_edges, default_edges, plan_batches
 from handlers.config import HandlerConfig
-from handlers.errors import BadInput, ModelFailed, ServingError
+from handlers.errors import BadInput, ModelFailed, Overloaded, ServingError
 from handlers.isolate import Isolator, OomCaps
 from handlers.parse import parse_text, row_value
+from handlers.scheduler import Priority, Scheduler, SchedulerPolicy, Ticket
 
 logger = logging.getLogger(__name__)
 
 JSON = "application/json"
-BATCH_SIZE_HEADER = "x-tsbatch-batch-size"  # requests in the frontend batch this one came in
+BATCH_SIZE_HEADER = "x-tsbatch-batch-size"  # requests in the batch (frontend batch, or tsbatch's in async mode)
 WORKER_HEADER = "x-tsbatch-worker"  # pid of the worker process that answered
+PRIORITY_HEADER = "x-priority"
+DEADLINE_HEADER = "x-deadline-ms"
+RETRY_AFTER_SECONDS = "1"
 
 
 class EncoderHandler:
@@ -36,31 +46,52 @@ class EncoderHandler:
         self.runner = None
         self.edges: tuple[int, ...] = ()
         self.isolator: Isolator | None = None
+        self.engine = None
 
     def initialize(self, context) -> None:
         from handlers.runner import ModelRunner  # torch stays at the edge, loaded only here
 
         started = time.monotonic()
+        yaml_config = context.model_yaml_config or {}
         model_dir = context.system_properties.get("model_dir")
-        self.config = HandlerConfig.from_yaml((context.model_yaml_config or {}).get("handler"))
+        self.config = HandlerConfig.from_yaml(yaml_config.get("handler"))
         self.runner = ModelRunner(self.config, os.path.join(model_dir, self.config.model_dir))
         max_length = self.runner.max_length
         self.edges = check_edges(self.config.buckets or default_edges(max_length), max_length)
         self.isolator = Isolator(self.runner.run, self.config.isolation_budget, OomCaps())
+        if yaml_config.get("asyncCommunication") is True:
+            self.engine = self._start_engine()
         if self.config.fault_injection.enabled:
             logger.warning("fault injection is ON: %s", self.config.fault_injection)
         logger.info(
-            "tsbatch loaded task=%s buckets=%s max_batch_tokens=%d %s in %.1fs",
-            self.config.task.value, list(self.edges), self.config.max_batch_tokens,
-            self.runner.describe(), time.monotonic() - started,
+            "tsbatch loaded task=%s mode=%s buckets=%s max_batch_tokens=%d %s in %.1fs",
+            self.config.task.value, "async" if self.engine else "default", list(self.edges),
+            self.config.max_batch_tokens, self.runner.describe(), time.monotonic() - started,
         )
         self.initialized = True
+
+    def _start_engine(self):
+        from handlers import socket_guard
+        from handlers.engine import Engine, split_lanes
+
+        socket_guard.install()
+        cfg = self.config
+        policy = SchedulerPolicy(
+            edges=self.edges, max_batch_tokens=cfg.max_batch_tokens, max_wait=cfg.max_wait_ms / 1000,
+            queue_cap=cfg.queue_cap, age_bound=cfg.age_bound_ms / 1000,
+            priority_aging=cfg.priority_aging_ms / 1000,
+        )
+        lanes = split_lanes(self.edges, cfg.long_lane_from)
+        logger.info("tsbatch async scheduler: lanes %s, policy %s", lanes, policy)
+        return Engine(Scheduler(policy, self.cap_for), self.isolator, lanes, deliver=_resolve)
 
     def cap_for(self, bucket: int) -> int:
         """Largest batch of this bucket: the token budget, lowered by any out-of-memory cap."""
         return self.isolator.caps.cap(bucket, batch_cap(bucket, self.config.max_batch_tokens))
 
-    def handle(self, data: list, context) -> list:
+    def handle(self, data: list, context):
+        if self.engine is not None:
+            return self._handle_async(data, context)  # TorchServe awaits the coroutine
         outcomes: list[Any] = [None] * len(data)
         try:
             items = self.tokenize(self.parse(data, context, outcomes), outcomes)
@@ -69,10 +100,47 @@ class EncoderHandler:
                 for item, outcome in zip(batch.items, results):
                     outcomes[item.index] = outcome
         except Exception as error:  # noqa: BLE001 - a bug here must not fail the worker
-            logger.exception("tsbatch pipeline failed")
-            failure = ModelFailed(f"internal error in tsbatch: {type(error).__name__}: {error}")
-            outcomes = [o if o is not None else failure for o in outcomes]
-        return self.answer(outcomes, context)
+            outcomes = _fail_unanswered(outcomes, error)
+        return self.answer(outcomes, context, [len(data)] * len(data))
+
+    async def _handle_async(self, data: list, context) -> list:
+        """Async mode: never raises (one raise fails every request in flight on the worker)."""
+        outcomes: list[Any] = [None] * len(data)
+        sizes = [1] * len(data)
+        try:
+            loop = asyncio.get_running_loop()
+            items = self.tokenize(self.parse(data, context, outcomes), outcomes)
+            now = time.monotonic()
+            waiting = []
+            for item in items:
+                try:
+                    ticket = self._ticket(item, context, now, loop)
+                    self.engine.submit([ticket])
+                except ServingError as error:
+                    outcomes[item.index] = error
+                    continue
+                waiting.append(ticket)
+            for ticket in waiting:
+                outcomes[ticket.item.index], sizes[ticket.item.index] = await ticket.payload[1]
+        except Exception as error:  # noqa: BLE001
+            outcomes = _fail_unanswered(outcomes, error)
+        bodies = self.answer(outcomes, context, sizes)
+        _reply_async(bodies, outcomes, context)
+        return [""] * len(data)
+
+    def _ticket(self, item: Item, context, now: float, loop) -> Ticket:
+        headers = _headers(context, item.index)
+        priority = Priority.parse(headers.get(PRIORITY_HEADER))
+        deadline_ms = self.config.deadline_ms
+        if headers.get(DEADLINE_HEADER) is not None:
+            try:
+                asked = int(headers[DEADLINE_HEADER])
+            except ValueError:
+                raise BadInput(f"X-Deadline-Ms must be a whole number of milliseconds, got {headers[DEADLINE_HEADER]!r}") from None
+            if asked < 1:
+                raise BadInput(f"X-Deadline-Ms must be positive, got {asked}")
+            deadline_ms = min(deadline_ms, asked)  # a client may shorten the deadline, not extend it
+        return Ticket(item, now, priority, now + deadline_ms / 1000, payload=(loop, loop.create_future()))
 
     # -- stages
     def parse(self, data: list, context, outcomes: list) -> list[tuple[int, str]]:
@@ -98,32 +166,77 @@ class EncoderHandler:
             items.append(Item(index, text, tokens, bucket_for(tokens, self.edges), encoding))
         return items
 
-    def answer(self, outcomes: list, context) -> list:
+    def answer(self, outcomes: list, context, batch_sizes: list[int]) -> list:
         """Write each request's status once, here, and return one body per request."""
         bodies = []
         for index, outcome in enumerate(outcomes):
             context.set_response_content_type(index, JSON)
-            context.set_response_header(index, BATCH_SIZE_HEADER, str(len(outcomes)))
+            context.set_response_header(index, BATCH_SIZE_HEADER, str(batch_sizes[index]))
             context.set_response_header(index, WORKER_HEADER, str(os.getpid()))
             if isinstance(outcome, ServingError):
                 context.set_response_status(outcome.status, HTTPStatus(outcome.status).phrase, idx=index)
+                if isinstance(outcome, Overloaded):
+                    context.set_response_header(index, "Retry-After", RETRY_AFTER_SECONDS)
                 bodies.append(json.dumps(outcome.to_body()))
             else:
                 bodies.append(json.dumps(outcome))
         return bodies
 
 
-def _content_type(context, index: int) -> str | None:
-    """The content type TorchServe recorded for the request's payload parameter."""
+def _reply_async(bodies: list, outcomes: list, context) -> None:
+    """Send the answers of an async-mode call so that TorchServe 0.12's frontend forgets each job.
+
+    Its async frontend drops a job only on a reply marked ts_stream_next=false, and a streamed
+    reply with a status >= 400 loses its body. So: results go out as one streamed chunk (200)
+    whose final reply is the empty list `handle` returns; errors go out as plain full responses
+    (status and JSON body; the frontend closes that connection), and their final reply carries
+    ts_stream_next=false explicitly so the frontend forgets them too.
+    """
+    from ts.handler_utils.utils import send_intermediate_predict_response
+    from ts.protocol.otf_message_handler import create_predict_response
+
+    ids = context.request_ids
+    ok = {i: rid for i, rid in ids.items() if not isinstance(outcomes[i], ServingError)}
+    failed = {i: rid for i, rid in ids.items() if i not in ok}
+    if ok:
+        send_intermediate_predict_response(bodies, ok, "tsbatch", 200, context)
+    if failed:
+        context.cl_socket.sendall(create_predict_response(bodies, failed, "tsbatch", 200, context))
+        for index in failed:
+            context.set_response_header(index, "ts_stream_next", "false")
+
+
+def _resolve(ticket: Ticket, outcome: Any, batch_size: int = 1) -> None:
+    """Hand an outcome from a lane thread to the coroutine awaiting it on the event loop."""
+    loop, future = ticket.payload
+
+    def settle():
+        if not future.done():
+            future.set_result((outcome, batch_size))
+
+    loop.call_soon_threadsafe(settle)
+
+
+def _fail_unanswered(outcomes: list, error: Exception) -> list:
+    logger.exception("tsbatch pipeline failed")
+    failure = ModelFailed(f"internal error in tsbatch: {type(error).__name__}: {error}")
+    return [o if o is not None else failure for o in outcomes]
+
+
+def _headers(context, index: int) -> dict:
+    """The request's headers with lower-cased names (clients and proxies differ in case)."""
     try:
         headers = context.get_all_request_header(index) or {}
-    except Exception:  # noqa: BLE001 - a context without headers means "unknown"
-        return None
+    except Exception:  # noqa: BLE001 - a context without headers means "none"
+        return {}
+    return {str(k).lower(): v for k, v in headers.items()}
+
+
+def _content_type(context, index: int) -> str | None:
+    """The content type TorchServe recorded for the request's payload parameter."""
+    headers = _headers(context, index)
     for name in ("body", "data"):
-        value = headers.get(name)
-        if isinstance(value, dict):
-            return value.get("content-type")
-    for name in ("Content-Type", "content-type"):
-        if isinstance(headers.get(name), str):
-            return headers[name]
-    return None
+        if isinstance(headers.get(name), dict):
+            return headers[name].get("content-type")
+    value = headers.get("content-type")
+    return value if isinstance(value, str) else None

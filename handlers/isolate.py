@@ -26,10 +26,12 @@ _MAX_MESSAGE = 500
 
 
 def is_out_of_memory(error: BaseException) -> bool:
-    """MemoryError, torch.cuda.OutOfMemoryError, and allocator errors that say "out of memory"."""
+    """MemoryError, torch.cuda.OutOfMemoryError, and allocator errors that say they ran out."""
     if isinstance(error, MemoryError) or type(error).__name__ == "OutOfMemoryError":
         return True
-    return "out of memory" in str(error).lower()
+    text = str(error).lower()
+    # torch's CPU allocator raises a plain RuntimeError: "DefaultCPUAllocator: can't allocate memory"
+    return any(words in text for words in ("out of memory", "can't allocate memory", "cannot allocate memory"))
 
 
 def describe(error: BaseException) -> str:
@@ -44,6 +46,7 @@ class IsolationReport:
     bucket: int
     size: int
     passes: int = 0
+    isolation_passes: int = 0  # passes spent bisecting (out-of-memory halving is not counted)
     failed: int = 0
     oom_splits: int = 0
     gave_up: bool = False
@@ -87,13 +90,19 @@ class Isolator:
         self._attempt(list(batch.items), state)
         if state.oom_failed_sizes:
             self.caps.learn(batch.bucket, max(state.oom_failed_sizes), state.largest_ok_after_oom)
-        return [state.outcomes[item.index] for item in batch.items], state.report
+        return [state.outcomes[id(item)] for item in batch.items], state.report
 
-    def _attempt(self, items: list[Item], state: "_State") -> bool:
-        """Run `items` as one pass; on failure isolate inside them. True if the pass succeeded."""
-        if state.report.extra_passes >= self.budget and state.report.passes > 0:
-            state.give_up(items)
-            return False
+    def _attempt(self, items: list[Item], state: "_State", bisecting: bool = False) -> bool:
+        """Run `items` as one pass; on failure isolate inside them. True if the pass succeeded.
+
+        Only bisection passes count against the budget: halving for memory is bounded by itself
+        (at most 2n-1 passes) and must not make healthy requests fail as "model broken".
+        """
+        if bisecting:
+            if state.report.isolation_passes >= self.budget:
+                state.give_up(items)
+                return False
+            state.report.isolation_passes += 1
         state.report.passes += 1
         try:
             results = self._run(Batch(state.bucket, tuple(items)))
@@ -124,10 +133,10 @@ class Isolator:
             state.fail(items[0], ModelFailed(f"model failed on this input: {describe(error)}"))
             return
         left, right = _halves(items)
-        if self._attempt(left, state):
+        if self._attempt(left, state, bisecting=True):
             self._isolate(right, error, state)  # the failure must be on the right: no rerun
         else:
-            self._attempt(right, state)
+            self._attempt(right, state, bisecting=True)
 
 
 def _halves(items: list[Item]) -> tuple[list[Item], list[Item]]:
@@ -139,26 +148,26 @@ class _State:
     def __init__(self, batch: Batch, report: IsolationReport):
         self.bucket = batch.bucket
         self.report = report
-        self.outcomes: dict[int, Outcome] = {}
+        self.outcomes: dict[int, Outcome] = {}  # by id(item): indices repeat across async calls
         self.oom_failed_sizes: list[int] = []
         self.largest_ok_after_oom = 0
 
     def succeed(self, items: list[Item], results: Sequence[Outcome]) -> None:
         for item, result in zip(items, results):
-            self.outcomes[item.index] = result
+            self.outcomes[id(item)] = result
         if self.oom_failed_sizes:
             self.largest_ok_after_oom = max(self.largest_ok_after_oom, len(items))
 
     def fail(self, item: Item, error: ServingError) -> None:
-        self.outcomes[item.index] = error
+        self.outcomes[id(item)] = error
         self.report.failed += 1
 
     def give_up(self, items: list[Item]) -> None:
         if not self.report.gave_up:
             logger.error(
-                "bucket %d: isolation budget of %d extra passes spent on a batch of %d; "
+                "bucket %d: isolation budget of %d passes spent on a batch of %d; "
                 "failing the rest fast: the model itself looks broken",
-                self.bucket, self.report.extra_passes, self.report.size,
+                self.bucket, self.report.isolation_passes, self.report.size,
             )
         self.report.gave_up = True
         for item in items:

@@ -16,10 +16,15 @@ from archiver.properties import ServerSettings, model_config, render_properties
 
 # A long delay makes concurrent requests meet in one frontend batch; a full batch leaves at once.
 TEST_FRONTEND = {"batchSize": 8, "maxBatchDelay": 500, "minWorkers": 1, "maxWorkers": 2}
+# tsbatch's own scheduler: the frontend hands over each request at once, tsbatch batches.
+ASYNC_FRONTEND = {"batchSize": 1, "maxBatchDelay": 1, "minWorkers": 1, "maxWorkers": 1,
+                  "asyncCommunication": True}
 MODELS = {
-    # name -> handler section; "minilm" also carries the POISON seam (it only touches POISON texts)
-    "minilm": {"task": "embedding", "fault_injection": {"substring": "POISON"}},
-    "minilm_oom": {"task": "embedding", "fault_injection": {"oom_above_batch": 2}},
+    # name -> (handler section, frontend keys); "minilm" also carries the POISON seam
+    "minilm": ({"task": "embedding", "fault_injection": {"substring": "POISON"}}, TEST_FRONTEND),
+    "minilm_oom": ({"task": "embedding", "fault_injection": {"oom_above_batch": 2}}, TEST_FRONTEND),
+    "minilm_async": ({"task": "embedding", "fault_injection": {"substring": "POISON"},
+                      "max_wait_ms": 20, "queue_cap": 64}, ASYNC_FRONTEND),
 }
 
 
@@ -52,8 +57,8 @@ class Served:
 def torchserve(tmp_path_factory, minilm_dir):
     root = tmp_path_factory.mktemp("torchserve")
     store = str(root / "model_store")
-    for name, handler in MODELS.items():
-        build_archive(ArchiveSpec(minilm_dir, name, model_config(handler, TEST_FRONTEND), store))
+    for name, (handler, frontend) in MODELS.items():
+        build_archive(ArchiveSpec(minilm_dir, name, model_config(handler, frontend), store))
     ports = free_ports(3)
     settings = ServerSettings(model_store=store, load_models=tuple(f"{n}.mar" for n in MODELS),
                               inference_port=ports[0], management_port=ports[1], metrics_port=ports[2])

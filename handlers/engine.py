@@ -1,0 +1,88 @@
+"""Async mode's execution side: lane threads that take batches from the Scheduler and run them.
+
+TorchServe's async mode awaits one `handle` coroutine per frontend message; each request becomes
+a Ticket whose future is resolved as soon as its own batch finishes. Model passes run on lane
+threads, never on the event loop. With two lanes, short buckets and long buckets run on separate
+threads that share the cores, so a short request never waits for a long pass to end.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+from handlers.errors import DeadlineExceeded, ModelFailed
+from handlers.isolate import Isolator
+from handlers.scheduler import Scheduler, Ticket
+
+logger = logging.getLogger(__name__)
+
+
+def split_lanes(edges: Sequence[int], long_lane_from: int | None) -> list[tuple[int, ...]]:
+    """One lane for all buckets, or two: edges below `long_lane_from` and the rest."""
+    if long_lane_from is None:
+        return [tuple(edges)]
+    short = tuple(e for e in edges if e < long_lane_from)
+    long = tuple(e for e in edges if e >= long_lane_from)
+    return [lane for lane in (short, long) if lane]
+
+
+class Engine:
+    """Runs scheduled batches on lane threads; `deliver(ticket, outcome, batch_size)` answers each."""
+
+    def __init__(self, scheduler: Scheduler, isolator: Isolator, lanes: Sequence[tuple[int, ...]],
+                 deliver: Callable[[Ticket, Any, int], None], clock: Callable[[], float] = time.monotonic,
+                 on_batch: Callable[..., None] | None = None):
+        self.scheduler = scheduler
+        self.isolator = isolator
+        self.deliver = deliver
+        self.clock = clock
+        self.on_batch = on_batch or (lambda *args: None)
+        self.cond = threading.Condition()
+        self.threads = [
+            threading.Thread(target=self._lane, args=(lane,), name=f"tsbatch-lane-{i}", daemon=True)
+            for i, lane in enumerate(lanes)
+        ]
+        for thread in self.threads:
+            thread.start()
+
+    def submit(self, tickets: Sequence[Ticket]) -> None:
+        """Queue tickets (Overloaded propagates for the one that does not fit) and wake the lanes."""
+        with self.cond:
+            try:
+                for ticket in tickets:
+                    self.scheduler.submit(ticket)
+            finally:
+                self.cond.notify_all()
+
+    def _lane(self, buckets: tuple[int, ...]) -> None:
+        while True:
+            try:
+                self._step(buckets)
+            except Exception:  # noqa: BLE001 - a lane must outlive any bug in one step
+                logger.exception("tsbatch lane %s: step failed", buckets)
+                time.sleep(0.01)
+
+    def _step(self, buckets: tuple[int, ...]) -> None:
+        with self.cond:
+            now = self.clock()
+            expired = self.scheduler.expire(now)
+            picked = self.scheduler.next_batch(now, buckets)
+            if picked is None and not expired:
+                self.cond.wait(timeout=self.scheduler.time_until_ready(now, buckets))
+                return
+        for ticket in expired:
+            self.deliver(ticket, DeadlineExceeded(
+                "deadline passed before this request could run: raise X-Deadline-Ms or retry"), 0)
+        if picked is None:
+            return
+        batch, tickets = picked
+        started = self.clock()
+        try:
+            outcomes, report = self.isolator.execute(batch)
+        except Exception as error:  # noqa: BLE001 - isolation itself never raises; belt and braces
+            outcomes, report = [ModelFailed(f"internal error: {error}")] * len(tickets), None
+        self.on_batch(batch, tickets, report, started, self.clock())
+        for ticket, outcome in zip(tickets, outcomes):
+            self.deliver(ticket, outcome, len(tickets))

@@ -1,0 +1,137 @@
+"""tsbatch's own scheduler for async mode: one queue per length bucket, batches chosen by policy.
+
+A batch leaves a bucket when its token budget is full or its oldest request has waited the
+bucket's maximum wait. Among ready buckets: higher priority first (a request gains one class per
+`priority_aging` seconds waited, so low never starves), then the shortest bucket — unless some
+bucket's oldest request has waited `age_bound`, which then goes first. Requests past their
+deadline leave through `expire` and are answered 504 instead of late.
+
+Pure: no torch, no threads; time comes from the caller (`now`), so tests use a fake clock.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+from handlers.buckets import Batch, Item, batch_cap
+from handlers.errors import BadInput, Overloaded
+
+
+class Priority(enum.IntEnum):
+    HIGH = 0
+    NORMAL = 1
+    LOW = 2
+
+    @classmethod
+    def parse(cls, value: str | None) -> "Priority":
+        """From the X-Priority header; absent means normal, anything unknown is the client's error."""
+        if value is None or not value.strip():
+            return cls.NORMAL
+        try:
+            return cls[value.strip().upper()]
+        except KeyError:
+            raise BadInput(f"X-Priority must be high, normal or low, got {value!r}") from None
+
+
+@dataclass(eq=False)
+class Ticket:
+    """A request waiting in the scheduler; `payload` is the caller's (e.g. a future)."""
+
+    item: Item
+    arrived: float
+    priority: Priority = Priority.NORMAL
+    deadline: float | None = None
+    payload: Any = None
+
+    def effective_priority(self, now: float, aging: float) -> float:
+        if aging <= 0:
+            return float(self.priority)
+        return max(0.0, float(self.priority) - (now - self.arrived) / aging)
+
+
+@dataclass(frozen=True)
+class SchedulerPolicy:
+    edges: tuple[int, ...]
+    max_batch_tokens: int
+    max_wait: float  # seconds the oldest request of a bucket waits for company
+    queue_cap: int  # requests waiting in this worker, all buckets together
+    age_bound: float  # seconds after which a bucket's oldest request jumps the shortest-first order
+    priority_aging: float  # seconds of waiting that raise a request by one priority class
+    max_wait_per_bucket: dict[int, float] = field(default_factory=dict)
+
+    def wait_for(self, bucket: int) -> float:
+        return self.max_wait_per_bucket.get(bucket, self.max_wait)
+
+
+class Scheduler:
+    """Holds waiting tickets per bucket and hands out the next batch to run."""
+
+    def __init__(self, policy: SchedulerPolicy, cap_for: Callable[[int], int] | None = None):
+        self.policy = policy
+        self.queues: dict[int, list[Ticket]] = {edge: [] for edge in policy.edges}
+        self._cap_for = cap_for or (lambda bucket: batch_cap(bucket, policy.max_batch_tokens))
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self.queues.values())
+
+    def submit(self, ticket: Ticket) -> None:
+        """Queue a ticket, or raise Overloaded when the worker's queue cap is reached."""
+        if len(self) >= self.policy.queue_cap:
+            raise Overloaded(
+                f"this worker has {len(self)} requests waiting (cap {self.policy.queue_cap}): retry shortly"
+            )
+        self.queues[ticket.item.bucket].append(ticket)
+
+    def expire(self, now: float) -> list[Ticket]:
+        """Remove and return every ticket whose deadline has passed."""
+        expired = []
+        for bucket, queue in self.queues.items():
+            keep = []
+            for ticket in queue:
+                (expired if ticket.deadline is not None and now >= ticket.deadline else keep).append(ticket)
+            self.queues[bucket] = keep
+        return expired
+
+    def ready(self, bucket: int, now: float) -> bool:
+        queue = self.queues[bucket]
+        if not queue:
+            return False
+        if len(queue) >= self._cap_for(bucket):
+            return True
+        oldest = min(t.arrived for t in queue)
+        return now - oldest >= self.policy.wait_for(bucket)
+
+    def next_batch(self, now: float, buckets: Iterable[int] | None = None) -> tuple[Batch, list[Ticket]] | None:
+        """The batch to run now among `buckets` (default all), with its tickets; None if none is ready."""
+        allowed = self.policy.edges if buckets is None else tuple(buckets)
+        ready = [b for b in allowed if self.ready(b, now)]
+        if not ready:
+            return None
+        bucket = min(ready, key=lambda b: self._rank(b, now))
+        aging = self.policy.priority_aging
+        queue = sorted(self.queues[bucket], key=lambda t: (t.effective_priority(now, aging), t.arrived))
+        chosen = queue[: self._cap_for(bucket)]
+        self.queues[bucket] = [t for t in self.queues[bucket] if t not in chosen]
+        return Batch(bucket, tuple(t.item for t in chosen)), chosen
+
+    def _rank(self, bucket: int, now: float) -> tuple:
+        queue = self.queues[bucket]
+        oldest = min(t.arrived for t in queue)
+        starving = now - oldest >= self.policy.age_bound
+        best = min(t.effective_priority(now, self.policy.priority_aging) for t in queue)
+        # starving buckets first (oldest first), then by priority class, then shortest bucket
+        return (0, oldest, 0.0, 0) if starving else (1, 0.0, best, bucket)
+
+    def time_until_ready(self, now: float, buckets: Sequence[int] | None = None) -> float | None:
+        """Seconds until some bucket in `buckets` becomes ready by age, or a deadline passes."""
+        allowed = self.policy.edges if buckets is None else tuple(buckets)
+        waits = []
+        for bucket in allowed:
+            queue = self.queues[bucket]
+            if not queue:
+                continue
+            oldest = min(t.arrived for t in queue)
+            waits.append(oldest + self.policy.wait_for(bucket) - now)
+            waits.extend(t.deadline - now for t in queue if t.deadline is not None)
+        return max(0.0, min(waits)) if waits else None
