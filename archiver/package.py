@@ -33,6 +33,7 @@ class ArchiveSpec:
     export_path: str
     config_header: str = ""
     extra_files: Mapping[str, str] | None = None  # archive name -> local path (e.g. the profile)
+    handler: str = ENTRY  # the handler entry file, relative to the repo (benchmark controls differ)
 
 
 def check_model_dir(model_dir: str) -> list[str]:
@@ -81,7 +82,8 @@ def stage(spec: ArchiveSpec, workdir: str) -> tuple[str, str, str]:
     config_path = os.path.join(workdir, "model-config.yaml")
     with open(config_path, "w") as f:
         f.write(dump_model_config(spec.model_config, spec.config_header))
-    return os.path.join(extra, ENTRY), extra, config_path
+    handler = os.path.join(extra, spec.handler) if spec.handler == ENTRY else os.path.join(REPO, spec.handler)
+    return handler, extra, config_path
 
 
 def build_archive(spec: ArchiveSpec, progress: Callable[[str], None] = lambda _: None) -> str:

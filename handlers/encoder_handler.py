@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 JSON = "application/json"
 BATCH_SIZE_HEADER = "x-tsbatch-batch-size"  # requests in the batch (frontend batch, or tsbatch's in async mode)
 WORKER_HEADER = "x-tsbatch-worker"  # pid of the worker process that answered
+PADDED_HEADER = "x-tsbatch-padded-to"  # tokens the request was padded to (its bucket's edge)
 PRIORITY_HEADER = "x-priority"
 DEADLINE_HEADER = "x-deadline-ms"
 RETRY_AFTER_SECONDS = "1"
@@ -93,20 +94,22 @@ class EncoderHandler:
         if self.engine is not None:
             return self._handle_async(data, context)  # TorchServe awaits the coroutine
         outcomes: list[Any] = [None] * len(data)
+        padded = [0] * len(data)
         try:
             items = self.tokenize(self.parse(data, context, outcomes), outcomes)
             for batch in plan_batches(items, self.cap_for):
                 results, _report = self.isolator.execute(batch)
                 for item, outcome in zip(batch.items, results):
-                    outcomes[item.index] = outcome
+                    outcomes[item.index], padded[item.index] = outcome, batch.bucket
         except Exception as error:  # noqa: BLE001 - a bug here must not fail the worker
             outcomes = _fail_unanswered(outcomes, error)
-        return self.answer(outcomes, context, [len(data)] * len(data))
+        return self.answer(outcomes, context, [len(data)] * len(data), padded)
 
     async def _handle_async(self, data: list, context) -> list:
         """Async mode: never raises (one raise fails every request in flight on the worker)."""
         outcomes: list[Any] = [None] * len(data)
         sizes = [1] * len(data)
+        padded = [0] * len(data)
         try:
             loop = asyncio.get_running_loop()
             items = self.tokenize(self.parse(data, context, outcomes), outcomes)
@@ -121,10 +124,12 @@ class EncoderHandler:
                     continue
                 waiting.append(ticket)
             for ticket in waiting:
-                outcomes[ticket.item.index], sizes[ticket.item.index] = await ticket.payload[1]
+                index = ticket.item.index
+                outcomes[index], sizes[index] = await ticket.payload[1]
+                padded[index] = ticket.item.bucket
         except Exception as error:  # noqa: BLE001
             outcomes = _fail_unanswered(outcomes, error)
-        bodies = self.answer(outcomes, context, sizes)
+        bodies = self.answer(outcomes, context, sizes, padded)
         _reply_async(bodies, outcomes, context)
         return [""] * len(data)
 
@@ -166,12 +171,14 @@ class EncoderHandler:
             items.append(Item(index, text, tokens, bucket_for(tokens, self.edges), encoding))
         return items
 
-    def answer(self, outcomes: list, context, batch_sizes: list[int]) -> list:
+    def answer(self, outcomes: list, context, batch_sizes: list[int], padded: list[int]) -> list:
         """Write each request's status once, here, and return one body per request."""
         bodies = []
         for index, outcome in enumerate(outcomes):
             context.set_response_content_type(index, JSON)
             context.set_response_header(index, BATCH_SIZE_HEADER, str(batch_sizes[index]))
+            if padded[index]:
+                context.set_response_header(index, PADDED_HEADER, str(padded[index]))
             context.set_response_header(index, WORKER_HEADER, str(os.getpid()))
             if isinstance(outcome, ServingError):
                 context.set_response_status(outcome.status, HTTPStatus(outcome.status).phrase, idx=index)

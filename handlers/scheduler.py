@@ -11,6 +11,7 @@ Pure: no torch, no threads; time comes from the caller (`now`), so tests use a f
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
@@ -45,9 +46,11 @@ class Ticket:
     payload: Any = None
 
     def effective_priority(self, now: float, aging: float) -> float:
+        """The class this ticket counts as now: one whole class better per `aging` seconds waited,
+        so tickets of one class tie and the shortest bucket still goes first among them."""
         if aging <= 0:
             return float(self.priority)
-        return max(0.0, float(self.priority) - (now - self.arrived) / aging)
+        return float(max(0, int(self.priority) - math.floor((now - self.arrived) / aging)))
 
 
 @dataclass(frozen=True)
@@ -124,14 +127,15 @@ class Scheduler:
         return (0, oldest, 0.0, 0) if starving else (1, 0.0, best, bucket)
 
     def time_until_ready(self, now: float, buckets: Sequence[int] | None = None) -> float | None:
-        """Seconds until some bucket in `buckets` becomes ready by age, or a deadline passes."""
+        """Seconds until some bucket in `buckets` becomes ready by age, or any ticket's deadline
+        passes (in any bucket: an idle lane expires tickets a busy lane cannot get to)."""
         allowed = self.policy.edges if buckets is None else tuple(buckets)
         waits = []
-        for bucket in allowed:
-            queue = self.queues[bucket]
+        for bucket, queue in self.queues.items():
             if not queue:
                 continue
-            oldest = min(t.arrived for t in queue)
-            waits.append(oldest + self.policy.wait_for(bucket) - now)
+            if bucket in allowed:
+                oldest = min(t.arrived for t in queue)
+                waits.append(oldest + self.policy.wait_for(bucket) - now)
             waits.extend(t.deadline - now for t in queue if t.deadline is not None)
         return max(0.0, min(waits)) if waits else None

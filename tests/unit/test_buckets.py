@@ -19,15 +19,16 @@ def item(index: int, bucket: int, tokens: int | None = None) -> Item:
 @pytest.mark.parametrize(
     "max_length, expected",
     [
-        (512, (16, 32, 64, 128, 256, 512)),
-        (256, (16, 32, 64, 128, 256)),
-        (384, (16, 32, 64, 128, 256, 384)),
-        (128, (16, 32, 64, 128)),
-        (8192, (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)),
-        (514, (16, 32, 64, 128, 256, 512, 514)),
-        (17, (16, 17)),
-        (16, (16,)),
-        (10, (10,)),  # a model shorter than the smallest edge: its maximum is the only edge
+        (512, (8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512)),
+        (256, (8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)),
+        (300, (8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 300)),
+        (70, (8, 16, 24, 32, 40, 48, 56, 64, 70)),
+        (1024, (8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512,
+                640, 768, 896, 1024)),
+        (17, (8, 16, 17)),
+        (16, (8, 16)),
+        (8, (8,)),
+        (5, (5,)),  # a model shorter than the smallest edge: its maximum is the only edge
     ],
 )
 def test_default_edges(max_length, expected):
@@ -80,9 +81,10 @@ def test_bucket_for(tokens, expected):
 
 
 def test_bucket_for_uneven_edges():
-    edges = default_edges(384)
-    assert bucket_for(257, edges) == 384
-    assert bucket_for(384, edges) == 384
+    edges = default_edges(300)
+    assert bucket_for(257, edges) == 300
+    assert bucket_for(300, edges) == 300
+    assert bucket_for(65, edges) == 80
 
 
 @pytest.mark.parametrize("tokens", [513, 10_000])

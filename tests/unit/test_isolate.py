@@ -438,3 +438,27 @@ def test_torch_cpu_oom_splits_instead_of_blaming_an_input():
         make_batch([f"good-{i}" for i in range(8)]))
     assert outcomes == [{"v": f"good-{i}"} for i in range(8)]
     assert caps.cap(BUCKET, 100) == 2
+
+
+# -- async mode: every item of a batch has index 0 ----------------------------------------------
+
+def test_items_that_share_an_index_each_get_their_own_result_in_order():
+    """In async mode each TorchServe call carries one request, so every item has index 0.
+
+    Regression: outcomes were keyed by item.index, so every item got the last item's result
+    (and a failure found by bisection was reported against the wrong requests).
+    """
+    texts = ["good-a", "good-b", "BAD-c", "good-d", "good-e"]
+    items = tuple(Item(index=0, text=t, tokens=5, bucket=BUCKET) for t in texts)
+    model = FakeModel()
+    outcomes, report = Isolator(model, budget=BIG_BUDGET).execute(Batch(BUCKET, items[:2] + items[3:]))
+    assert outcomes == [{"v": "good-a"}, {"v": "good-b"}, {"v": "good-d"}, {"v": "good-e"}]
+
+    outcomes, report = Isolator(FakeModel(oom_above=2), budget=BIG_BUDGET).execute(Batch(BUCKET, items))
+    assert len(outcomes) == 5
+    for text, outcome in zip(texts, outcomes):
+        if text == "BAD-c":
+            assert_model_failed(outcome, text)
+        else:
+            assert outcome == {"v": text}
+    assert report.failed == 1

