@@ -29,7 +29,8 @@ from archiver.properties import ServerSettings, model_config, render_properties 
 from bench.loadgen import RunResult, run_open_loop  # noqa: E402
 from bench.workload import Mix, make_requests, poisson_arrivals  # noqa: E402
 
-FRONTEND = {"batchSize": 8, "maxBatchDelay": 10, "minWorkers": 1, "maxWorkers": 1, "responseTimeout": 120}
+FRONTEND = {"batchSize": 8, "maxBatchDelay": 10, "minWorkers": 1, "maxWorkers": 1, "responseTimeout": 120,
+            "asyncCommunication": False}
 ASYNC_FRONTEND = {**FRONTEND, "batchSize": 1, "maxBatchDelay": 1, "asyncCommunication": True}
 ARMS = {
     "a": dict(label="control: pad to max_length, FCFS", handler="bench/controls/control_pad_max.py",

@@ -44,7 +44,7 @@ class HandlerConfig:
     torch_threads: int | None = None
     fault_injection: FaultInjection = field(default_factory=FaultInjection)
     # async mode (asyncCommunication: true) only: tsbatch's own scheduler in each worker
-    max_wait_ms: int = 5
+    max_wait_ms: int = 2
     queue_cap: int = 256
     age_bound_ms: int = 250
     priority_aging_ms: int = 1000

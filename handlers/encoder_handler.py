@@ -83,8 +83,11 @@ class EncoderHandler:
             priority_aging=cfg.priority_aging_ms / 1000,
         )
         lanes = split_lanes(self.edges, cfg.long_lane_from)
-        logger.info("tsbatch async scheduler: lanes %s, policy %s", lanes, policy)
-        return Engine(Scheduler(policy, self.cap_for), self.isolator, lanes, deliver=_resolve)
+        threads = max(1, self.runner.describe()["torch_threads"] // len(lanes))
+        logger.info("tsbatch async scheduler: lanes %s with %d thread(s) each, policy %s",
+                    lanes, threads, policy)
+        return Engine(Scheduler(policy, self.cap_for), self.isolator, lanes, deliver=_resolve,
+                      on_lane_start=lambda lane: self.runner.use_threads(threads, background=lane > 0))
 
     def cap_for(self, bucket: int) -> int:
         """Largest batch of this bucket: the token budget, lowered by any out-of-memory cap."""

@@ -33,15 +33,17 @@ class Engine:
 
     def __init__(self, scheduler: Scheduler, isolator: Isolator, lanes: Sequence[tuple[int, ...]],
                  deliver: Callable[[Ticket, Any, int], None], clock: Callable[[], float] = time.monotonic,
-                 on_batch: Callable[..., None] | None = None):
+                 on_batch: Callable[..., None] | None = None,
+                 on_lane_start: Callable[[int], None] | None = None):
         self.scheduler = scheduler
         self.isolator = isolator
         self.deliver = deliver
         self.clock = clock
         self.on_batch = on_batch or (lambda *args: None)
+        self.on_lane_start = on_lane_start or (lambda lane: None)
         self.cond = threading.Condition()
         self.threads = [
-            threading.Thread(target=self._lane, args=(lane,), name=f"tsbatch-lane-{i}", daemon=True)
+            threading.Thread(target=self._lane, args=(i, lane), name=f"tsbatch-lane-{i}", daemon=True)
             for i, lane in enumerate(lanes)
         ]
         for thread in self.threads:
@@ -56,7 +58,8 @@ class Engine:
             finally:
                 self.cond.notify_all()
 
-    def _lane(self, buckets: tuple[int, ...]) -> None:
+    def _lane(self, index: int, buckets: tuple[int, ...]) -> None:
+        self.on_lane_start(index)
         while True:
             try:
                 self._step(buckets)

