@@ -76,8 +76,29 @@ def batch_cap(bucket: int, max_batch_tokens: int) -> int:
     return max(1, max_batch_tokens // bucket)
 
 
+def largest_power_of_two(n: int) -> int:
+    """The largest power of two <= n (n >= 1)."""
+    if n < 1:
+        raise ValueError(f"need at least one request, got {n}")
+    return 1 << (n.bit_length() - 1)
+
+
+def power_of_two_sizes(cap: int) -> tuple[int, ...]:
+    """1, 2, 4, ... up to the largest power of two not above cap: every batch size the handler forms."""
+    return tuple(1 << i for i in range(largest_power_of_two(max(1, cap)).bit_length()))
+
+
+def next_batch_size(waiting: int, cap: int) -> int:
+    """How many of `waiting` requests the next pass takes: a power of two, at most cap.
+
+    Batch sizes are powers of two so that warmup can cover every shape the handler forms
+    (5 waiting run as 4 + 1, never padded with dummy rows)."""
+    return largest_power_of_two(max(1, min(waiting, cap)))
+
+
 def plan_batches(items: Iterable[Item], cap_for: Callable[[int], int]) -> list[Batch]:
-    """Group items by bucket, shortest bucket first, arrival order inside, at most cap_for(bucket) each."""
+    """Group items by bucket, shortest bucket first, arrival order inside; batch sizes are powers
+    of two of at most cap_for(bucket)."""
     by_bucket: dict[int, list[Item]] = {}
     for item in items:
         by_bucket.setdefault(item.bucket, []).append(item)
@@ -85,6 +106,9 @@ def plan_batches(items: Iterable[Item], cap_for: Callable[[int], int]) -> list[B
     for bucket in sorted(by_bucket):
         group = by_bucket[bucket]
         cap = max(1, cap_for(bucket))
-        for start in range(0, len(group), cap):
-            batches.append(Batch(bucket, tuple(group[start : start + cap])))
+        start = 0
+        while start < len(group):
+            size = next_batch_size(len(group) - start, cap)
+            batches.append(Batch(bucket, tuple(group[start : start + size])))
+            start += size
     return batches

@@ -39,6 +39,7 @@ class HandlerConfig:
     max_length: int | None = None
     buckets: tuple[int, ...] | None = None
     max_batch_tokens: int = 16384
+    max_batch_size: int = 32
     isolation_budget: int = 16
     device: str = "auto"
     torch_threads: int | None = None
@@ -50,6 +51,11 @@ class HandlerConfig:
     priority_aging_ms: int = 1000
     deadline_ms: int = 30000
     long_lane_from: int | None = 128
+    # warmup: every (batch size, bucket) shape before the worker reports READY
+    warmup: bool = True
+    warmup_repeats: int = 3
+    warmup_max_repeats: int = 10
+    compile: bool = False
 
     @classmethod
     def from_yaml(cls, section: Mapping[str, Any] | None) -> "HandlerConfig":
@@ -72,14 +78,16 @@ class HandlerConfig:
         values: dict[str, Any] = {"task": _enum(Task, "task", section["task"])}
         if "model_dir" in section:
             values["model_dir"] = _str("model_dir", section["model_dir"])
-        if "truncation" in section:
-            values["truncation"] = _bool("truncation", section["truncation"])
+        for name in ("truncation", "warmup", "compile"):
+            if name in section:
+                values[name] = _bool(name, section[name])
         if section.get("max_length") is not None:
             values["max_length"] = _positive_int("max_length", section["max_length"])
         if section.get("buckets") is not None:
             values["buckets"] = _edges("buckets", section["buckets"])
-        for name in ("max_batch_tokens", "isolation_budget", "max_wait_ms", "queue_cap",
-                     "age_bound_ms", "priority_aging_ms", "deadline_ms"):
+        for name in ("max_batch_tokens", "max_batch_size", "isolation_budget", "max_wait_ms", "queue_cap",
+                     "age_bound_ms", "priority_aging_ms", "deadline_ms", "warmup_repeats",
+                     "warmup_max_repeats"):
             if name in section:
                 values[name] = _positive_int(name, section[name])
         if "device" in section:
@@ -94,7 +102,18 @@ class HandlerConfig:
             values["long_lane_from"] = None if lane is None else _positive_int("long_lane_from", lane)
         if section.get("fault_injection") is not None:
             values["fault_injection"] = _fault_injection(section["fault_injection"])
-        return cls(**values)
+        config = cls(**values)
+        if config.warmup_max_repeats < config.warmup_repeats:
+            raise ConfigError(
+                f"handler.warmup_max_repeats ({config.warmup_max_repeats}) must be at least "
+                f"warmup_repeats ({config.warmup_repeats})"
+            )
+        if config.buckets and config.max_batch_tokens < config.buckets[-1]:
+            raise ConfigError(
+                f"handler.max_batch_tokens ({config.max_batch_tokens}) must hold one request of the "
+                f"largest bucket ({config.buckets[-1]} tokens)"
+            )
+        return config
 
 
 def _fault_injection(value: Any) -> FaultInjection:

@@ -60,8 +60,14 @@ class EncoderHandler:
         max_length = self.runner.max_length
         self.edges = check_edges(self.config.buckets or default_edges(max_length), max_length)
         self.isolator = Isolator(self.runner.run, self.config.isolation_budget, OomCaps())
-        if yaml_config.get("asyncCommunication") is True:
-            self.engine = self._start_engine()
+        async_mode = yaml_config.get("asyncCommunication") is True
+        lanes = self._lanes() if async_mode else None
+        self.profile = None
+        if self.config.warmup:
+            self.profile = self._warm_up(context.model_name, model_dir, yaml_config, lanes)
+        self.runner.mark_ready()
+        if async_mode:
+            self.engine = self._start_engine(lanes)
         if self.config.fault_injection.enabled:
             logger.warning("fault injection is ON: %s", self.config.fault_injection)
         logger.info(
@@ -71,9 +77,56 @@ class EncoderHandler:
         )
         self.initialized = True
 
-    def _start_engine(self):
+    def _lanes(self) -> list[tuple[tuple[int, ...], int]]:
+        """Async mode's lanes (buckets each serves) and the intra-op threads each one gets."""
+        from handlers.engine import split_lanes
+
+        lanes = split_lanes(self.edges, self.config.long_lane_from)
+        threads = max(1, self.runner.describe()["torch_threads"] // len(lanes))
+        return [(lane, threads) for lane in lanes]
+
+    def _warm_up(self, model_name: str, model_dir: str, yaml_config: dict, lanes) -> Any:
+        """Run every shape the handler can form before READY and keep the timings as the profile."""
+        from warmup.plan import WarmupPlan, plan_shapes
+        from warmup.profile import PROFILE_FILE, LatencyProfile
+        from warmup.run import estimate, run_plan
+
+        cfg = self.config
+        plan = WarmupPlan(tuple(plan_shapes(self.edges, self.cap_for)), cfg.warmup_repeats, cfg.warmup_max_repeats)
+        default_threads = self.runner.describe()["torch_threads"]
+        threads_for = {b: t for lane, t in (lanes or []) for b in lane}
+
+        def run_shape(shape) -> None:
+            self.runner.use_threads(threads_for.get(shape.bucket, default_threads))
+            self.runner.run(self.runner.synthetic_batch(shape.batch, shape.bucket))
+
+        seconds = estimate(plan, run_shape)
+        startup_timeout = yaml_config.get("startupTimeout", 120)
+        if isinstance(startup_timeout, int) and seconds > startup_timeout:
+            logger.warning(
+                "tsbatch warmup: %d shapes are estimated to take %.0fs, more than startupTimeout=%ss: "
+                "the worker may be killed before READY; raise startupTimeout in model-config.yaml "
+                "(tsbatch archive sets it from this estimate) or lower max_batch_size",
+                len(plan.shapes), seconds, startup_timeout)
+        else:
+            logger.info("tsbatch warmup: %d shapes, estimated %.1fs (startupTimeout %ss)",
+                        len(plan.shapes), seconds, startup_timeout)
+        environment = {**self.runner.describe(), "lanes": [list(l) for l, _ in (lanes or [])],
+                       "threads_per_bucket": threads_for or default_threads}
+        profile = LatencyProfile(model=model_name, environment=environment)
+        run_plan(plan, run_shape, profile)
+        self.runner.use_threads(default_threads)
+        path = os.path.join(model_dir, PROFILE_FILE)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        profile.save(tmp)
+        os.replace(tmp, path)  # workers of one model share the directory: replace atomically
+        logger.info("tsbatch warmup done in %.1fs by worker pid %d; latency profile %s: %s",
+                    profile.warmup_seconds, os.getpid(), path, profile.to_json().replace("\n", ""))
+        return profile
+
+    def _start_engine(self, lanes):
         from handlers import socket_guard
-        from handlers.engine import Engine, split_lanes
+        from handlers.engine import Engine
 
         socket_guard.install()
         cfg = self.config
@@ -82,16 +135,16 @@ class EncoderHandler:
             queue_cap=cfg.queue_cap, age_bound=cfg.age_bound_ms / 1000,
             priority_aging=cfg.priority_aging_ms / 1000,
         )
-        lanes = split_lanes(self.edges, cfg.long_lane_from)
-        threads = max(1, self.runner.describe()["torch_threads"] // len(lanes))
-        logger.info("tsbatch async scheduler: lanes %s with %d thread(s) each, policy %s",
-                    lanes, threads, policy)
-        return Engine(Scheduler(policy, self.cap_for), self.isolator, lanes, deliver=_resolve,
-                      on_lane_start=lambda lane: self.runner.use_threads(threads, background=lane > 0))
+        logger.info("tsbatch async scheduler: lanes (buckets, threads) %s, policy %s", lanes, policy)
+        return Engine(Scheduler(policy, self.cap_for), self.isolator, [lane for lane, _ in lanes],
+                      deliver=_resolve,
+                      on_lane_start=lambda i: self.runner.use_threads(lanes[i][1], background=i > 0))
 
     def cap_for(self, bucket: int) -> int:
-        """Largest batch of this bucket: the token budget, lowered by any out-of-memory cap."""
-        return self.isolator.caps.cap(bucket, batch_cap(bucket, self.config.max_batch_tokens))
+        """Largest batch of this bucket: the token budget and max_batch_size, lowered by any
+        out-of-memory cap learned since."""
+        cap = min(batch_cap(bucket, self.config.max_batch_tokens), self.config.max_batch_size)
+        return self.isolator.caps.cap(bucket, cap)
 
     def handle(self, data: list, context):
         if self.engine is not None:

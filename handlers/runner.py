@@ -95,6 +95,13 @@ class ModelRunner:
             model_path, local_files_only=True, use_safetensors=True
         )
         self.model = model.to(self.device, dtype=torch.float32).eval()
+        self.compiled = False
+        self._graphs_at_ready: int | None = None
+        if config.compile:
+            # static shapes: bucketing and power-of-two batches make the shape set finite,
+            # and warmup compiles every one of them before READY
+            self.model = torch.compile(self.model, dynamic=False)
+            self.compiled = True
         limit = model_max_length(model_path, self.tokenizer, self.model.config)
         self.max_length = min(config.max_length, limit) if config.max_length else limit
         self.pad_id = self.tokenizer.pad_token_id or 0
@@ -114,11 +121,38 @@ class ModelRunner:
             except OSError as error:
                 logger.info("cannot lower the long lane's priority: %s", error)
 
+    def synthetic_batch(self, batch_size: int, bucket: int) -> Batch:
+        """`batch_size` synthetic requests of exactly `bucket` tokens, as the tokenizer makes them."""
+        from handlers.buckets import Item
+
+        text = " ".join(["warm"] * (2 * bucket + 8))
+        out = self.tokenizer(text, truncation=True, max_length=bucket,
+                             return_offsets_mapping=self.task is Task.TOKEN_CLASSIFICATION, verbose=False)
+        features = {k: list(v) for k, v in out.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
+        offsets = [tuple(o) for o in out["offset_mapping"]] if "offset_mapping" in out else None
+        encoding = Encoding(features, offsets)
+        tokens = len(features["input_ids"])
+        return Batch(bucket, tuple(Item(i, text, tokens, bucket, encoding) for i in range(batch_size)))
+
+    def mark_ready(self) -> None:
+        """From now on any compilation is a shape warmup missed: remember the count to compare."""
+        self._graphs_at_ready = _compiled_graphs() if self.compiled else None
+
+    def _check_recompiled(self, batch: Batch) -> None:
+        if self._graphs_at_ready is None:
+            return
+        graphs = _compiled_graphs()
+        if graphs > self._graphs_at_ready:
+            logger.warning("tsbatch: torch.compile recompiled after READY for batch %d x %d tokens "
+                           "(a shape warmup did not cover)", batch.size, batch.bucket)
+            self._graphs_at_ready = graphs
+
     def describe(self) -> dict[str, Any]:
         """What the latency profile and logs record about this runner."""
         return {
             "device": str(self.device),
             "dtype": "float32",
+            "compile": self.compiled,
             "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__,
             "transformers": transformers.__version__,
@@ -157,6 +191,7 @@ class ModelRunner:
             if self.device.type == "cuda" and is_out_of_memory(error):
                 torch.cuda.empty_cache()  # give the split halves the memory this pass held
             raise
+        self._check_recompiled(batch)
         if self.task is Task.EMBEDDING:
             return self._embeddings(outputs.last_hidden_state, inputs["attention_mask"], batch)
         if self.task is Task.SEQUENCE_CLASSIFICATION:
@@ -221,3 +256,9 @@ class ModelRunner:
             results.append({"entities": group_entities(tokens, item.text)})
         return results
 
+
+
+def _compiled_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])

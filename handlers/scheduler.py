@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
-from handlers.buckets import Batch, Item, batch_cap
+from handlers.buckets import Batch, Item, batch_cap, next_batch_size
 from handlers.errors import BadInput, Overloaded
 
 
@@ -114,7 +114,7 @@ class Scheduler:
         bucket = min(ready, key=lambda b: self._rank(b, now))
         aging = self.policy.priority_aging
         queue = sorted(self.queues[bucket], key=lambda t: (t.effective_priority(now, aging), t.arrived))
-        chosen = queue[: self._cap_for(bucket)]
+        chosen = queue[: next_batch_size(len(queue), self._cap_for(bucket))]
         self.queues[bucket] = [t for t in self.queues[bucket] if t not in chosen]
         return Batch(bucket, tuple(t.item for t in chosen)), chosen
 

@@ -22,9 +22,11 @@ ASYNC_FRONTEND = {"batchSize": 1, "maxBatchDelay": 1, "minWorkers": 1, "maxWorke
                   "asyncCommunication": True}
 MODELS = {
     # name -> (handler section, frontend keys); "minilm" also carries the POISON seam
-    "minilm": ({"task": "embedding", "fault_injection": {"substring": "POISON"}}, TEST_FRONTEND),
-    "minilm_oom": ({"task": "embedding", "fault_injection": {"oom_above_batch": 2}}, TEST_FRONTEND),
-    "minilm_async": ({"task": "embedding", "fault_injection": {"substring": "POISON"},
+    "minilm": ({"task": "embedding", "fault_injection": {"substring": "POISON"}, "max_batch_size": 8},
+               TEST_FRONTEND),
+    "minilm_oom": ({"task": "embedding", "fault_injection": {"oom_above_batch": 2}, "warmup": False},
+                   TEST_FRONTEND),
+    "minilm_async": ({"task": "embedding", "fault_injection": {"substring": "POISON"}, "warmup": False,
                       "max_wait_ms": 20, "queue_cap": 64}, ASYNC_FRONTEND),
 }
 

@@ -1,6 +1,10 @@
 """The default model through a real torchserve: correct answers, isolated bad input, scaling."""
 from __future__ import annotations
 
+import glob
+import json
+import os
+import re
 import time
 
 import pytest
@@ -72,5 +76,18 @@ def test_scaling_to_two_workers_through_the_management_api(torchserve):
                 assert answer.status == 200
                 pids.add(answer.headers[WORKER_HEADER])
         assert len(pids) == 2, f"only worker(s) {pids} answered"
+        # every worker that answered had finished warmup inside initialize(), i.e. before READY
+        warmed = set(re.findall(r"tsbatch warmup done in [\d.]+s by worker pid (\d+)", torchserve.log()))
+        assert pids <= warmed, f"workers {pids - warmed} served without warmup"
     finally:
         requests.put(f"{url}?min_worker=1&max_worker=2&synchronous=true", timeout=300)
+
+
+def test_latency_profile_is_in_the_archives_model_directory(torchserve):
+    found = glob.glob(os.path.join(torchserve.paths.tmpdir, "models", "*", "latency_profile.json"))
+    profiles = [json.load(open(p)) for p in found]
+    minilm = [p for p in profiles if p["model"] == "minilm"]
+    assert minilm, f"no profile for minilm among {found}"
+    shapes = {(s["batch"], s["bucket"]) for s in minilm[0]["shapes"]}
+    buckets = {b for _, b in shapes}
+    assert {1, 2, 4, 8} == {b for b, _ in shapes} and 256 in buckets and 8 in buckets

@@ -13,6 +13,7 @@ TEXTS = [f"text number {i} about {w}" for i, w in enumerate(
 
 
 def load(model_dir: str, **handler):
+    handler = {"warmup": False, **handler}  # warmup has its own tests; keep these fast
     context = make_context(model_dir, {"task": "embedding", "model_dir": model_dir, **handler})
     handler_obj = EncoderHandler()
     handler_obj.initialize(context)

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from handlers.buckets import Batch, Item, batch_cap, bucket_for, check_edges, default_edges, plan_batches
+from handlers.buckets import Batch, Item, batch_cap, bucket_for, check_edges, default_edges, next_batch_size, plan_batches
 
 pytestmark = pytest.mark.unit
 
@@ -167,7 +167,8 @@ def test_plan_batches_uses_each_buckets_own_cap():
         return caps[bucket]
 
     assert shape(plan_batches(items, cap_for)) == [
-        (16, [1, 3, 5]),
+        (16, [1, 3]),  # batch sizes are powers of two: a cap of 3 forms 2 + 1
+        (16, [5]),
         (512, [0, 2]),
         (512, [4, 6]),
     ]
@@ -202,4 +203,9 @@ def test_plan_batches_invariants(buckets, caps):
         assert order == sorted(order)
         # only the last batch of a bucket may be short
         sizes = [b.size for b in batches if b.bucket == edge]
-        assert all(size == max(1, caps[edge]) for size in sizes[:-1])
+        # every size is a power of two, the largest that fits the cap and what is left
+        left = len([i for i in items if i.bucket == edge])
+        for size in sizes:
+            assert size & (size - 1) == 0
+            assert size == next_batch_size(left, max(1, caps[edge]))
+            left -= size

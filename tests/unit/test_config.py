@@ -267,7 +267,7 @@ def test_fault_injection_is_off_by_default():
 # -- async-mode scheduler fields (asyncCommunication: true) -------------------------------------
 
 ASYNC_DEFAULTS = {
-    "max_wait_ms": 5,
+    "max_wait_ms": 2,
     "queue_cap": 256,
     "age_bound_ms": 250,
     "priority_aging_ms": 1000,

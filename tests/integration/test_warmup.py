@@ -1,0 +1,72 @@
+"""Warmup inside initialize(): every shape the handler can form, and the latency profile."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+
+import pytest
+
+from handlers.buckets import plan_batches
+from handlers.encoder_handler import EncoderHandler
+from tests.support import call, make_context
+from warmup.plan import Shape
+from warmup.profile import PROFILE_FILE, LatencyProfile
+
+
+@pytest.fixture(scope="module")
+def warmed(tmp_path_factory, minilm_dir, request):
+    archive_dir = tmp_path_factory.mktemp("archive")
+    shutil.copytree(minilm_dir, archive_dir / "model")
+    handler_section = {"task": "embedding", "buckets": [16, 64, 256], "max_batch_size": 4}
+    context = make_context(str(archive_dir), handler_section)
+    context.model_yaml_config["startupTimeout"] = 1  # so the estimate overruns and says so
+    handler = EncoderHandler()
+    caplog = logging.getLogger()
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    keep = Keep()
+    caplog.addHandler(keep)
+    caplog.setLevel(logging.INFO)
+    try:
+        handler.initialize(context)
+    finally:
+        caplog.removeHandler(keep)
+    return handler, context, str(archive_dir), records
+
+
+def test_profile_lists_every_shape_the_handler_can_form(warmed):
+    handler, _context, archive_dir, _records = warmed
+    profile = LatencyProfile.load(os.path.join(archive_dir, PROFILE_FILE))
+    warmed_shapes = {(s.batch, s.bucket) for s in profile.shapes}
+    assert warmed_shapes == {(b, e) for e in (16, 64, 256) for b in (1, 2, 4)}
+    for timing in profile.shapes:
+        assert timing.median_ms > 0 and timing.p90_ms >= timing.median_ms and timing.runs >= 3
+    env = profile.environment
+    for key in ("device", "dtype", "torch_threads", "torch", "transformers"):
+        assert key in env
+    assert profile.model == "m" and profile.warmup_seconds > 0
+    # whatever traffic arrives, the handler forms only warmed shapes
+    items = [handler.tokenize([(i, "word " * n)], [None])[0] for i, n in enumerate([3, 3, 3, 3, 3, 3, 3, 40, 40, 40, 200])]
+    for batch in plan_batches(items, handler.cap_for):
+        assert (batch.size, batch.bucket) in warmed_shapes
+
+
+def test_warmup_logs_progress_estimate_and_profile(warmed):
+    _handler, _context, _dir, records = warmed
+    progress = [r for r in records if r.startswith("tsbatch warmup shape")]
+    assert len(progress) == 9 and "shape 9 of 9" in progress[-1]
+    assert any("more than startupTimeout=1s" in r for r in records), "the estimate must warn when it overruns"
+    profile_line = next(r for r in records if "latency profile" in r)
+    assert json.loads(profile_line.split(": ", 1)[1])["shapes"]
+
+
+def test_serving_after_warmup_works(warmed):
+    handler, context, _dir, _records = warmed
+    replies = call(handler, context, ["a short one", "word " * 100])
+    assert [r.status for r in replies] == [200, 200]

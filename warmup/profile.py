@@ -1,0 +1,63 @@
+"""The latency profile: what warmup measured per (batch size, bucket), kept as JSON.
+
+The tuner reads it to choose batch sizes under a latency target; operators read it in the model
+directory and in the worker's log.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+PROFILE_FILE = "latency_profile.json"
+
+
+@dataclass
+class ShapeTiming:
+    batch: int
+    bucket: int
+    median_ms: float
+    p90_ms: float
+    runs: int
+    first_ms: float  # the untimed first pass: what a cold request would have paid
+
+
+@dataclass
+class LatencyProfile:
+    model: str
+    environment: dict[str, Any]
+    shapes: list[ShapeTiming] = field(default_factory=list)
+    warmup_seconds: float = 0.0
+
+    def add(self, batch: int, bucket: int, first_ms: float, timings_ms: list[float]) -> ShapeTiming:
+        ordered = sorted(timings_ms)
+        p90 = ordered[min(len(ordered) - 1, int(round(0.9 * (len(ordered) - 1))))]
+        timing = ShapeTiming(batch, bucket, round(statistics.median(ordered), 3), round(p90, 3),
+                             len(ordered), round(first_ms, 3))
+        self.shapes.append(timing)
+        return timing
+
+    def lookup(self, batch: int, bucket: int) -> ShapeTiming | None:
+        for timing in self.shapes:
+            if timing.batch == batch and timing.bucket == bucket:
+                return timing
+        return None
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "LatencyProfile":
+        data = json.loads(text)
+        shapes = [ShapeTiming(**s) for s in data.pop("shapes", [])]
+        return cls(shapes=shapes, **data)
+
+    @classmethod
+    def load(cls, path: str) -> "LatencyProfile":
+        with open(path) as f:
+            return cls.from_json(f.read())
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            f.write(self.to_json())
