@@ -18,13 +18,16 @@ PYTEST_ARGS ?=
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 SERVE_ENV = TMPDIR=$(RUN_DIR)/tmp TEMP=$(RUN_DIR)/tmp LOG_LOCATION=$(RUN_DIR)/logs METRICS_LOCATION=$(RUN_DIR)/logs PATH=$(CURDIR)/$(VENV)/bin:$$PATH
 
-.PHONY: setup java archive serve stop test test-unit test-transformers4 clean help
+.PHONY: setup java archive serve stop test test-unit test-transformers4 bench bench-warmup soak clean help
 
 help:
 	@echo "make serve    set up, archive all-MiniLM-L6-v2 as '$(NAME)' and serve it on 127.0.0.1:8080-8082"
 	@echo "make stop     stop that torchserve"
 	@echo "make archive  build $(STORE)/NAME.mar and $(STORE)/config.properties [MODEL_DIR=… NAME=… TASK=…]"
 	@echo "make test     set up and run the whole test suite"
+	@echo "make bench    tsbatch against TorchServe's stock batching, side by side (bench/results/bench.*)"
+	@echo "make bench-warmup  first request vs steady state per shape, warmup and compile on/off"
+	@echo "make soak     50,000 requests through async mode; frontend memory at start and end"
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -73,6 +76,19 @@ test-transformers4: java
 	$(VENV)-tf4/bin/python -m pip install -q -e '.[test]' "$(TF4_SPEC)"
 	$(VENV)-tf4/bin/python -c 'import transformers; assert transformers.__version__.startswith("4."), transformers.__version__'
 	$(VENV)-tf4/bin/python -m pytest -q tests/unit tests/integration $(PYTEST_ARGS)
+
+$(VENV)/.bench: $(VENV)/.installed
+	$(PYTHON) -m pip install -q matplotlib
+	touch $@
+
+bench: setup $(VENV)/.bench
+	$(PYTHON) bench/run.py $(BENCH_ARGS)
+
+bench-warmup: setup
+	$(PYTHON) bench/warmup_bench.py $(BENCH_ARGS)
+
+soak: setup
+	$(PYTHON) bench/soak.py $(BENCH_ARGS)
 
 clean: stop
 	rm -rf $(STORE) $(RUN_DIR) .pytest_cache

@@ -36,10 +36,14 @@ class ServerSettings:
     inference_port: int = 8080
     management_port: int = 8081
     metrics_port: int = 8082
+    grpc_inference_port: int = 7070
+    grpc_management_port: int = 7071
     token_auth: bool = False
     enable_model_api: bool = False
     max_request_size: int = 1 << 20
     max_response_size: int = 6553500
+    metrics_config: str | None = None  # tsbatch's metrics yaml (install_metrics_config); None keeps TorchServe's
+    tuned: tuple[tuple[str, str, str], ...] = ()  # (key, value, reason) chosen by archiver.tune
 
 
 def render_properties(settings: ServerSettings) -> str:
@@ -51,6 +55,8 @@ def render_properties(settings: ServerSettings) -> str:
         inference_port=settings.inference_port,
         management_port=settings.management_port,
         metrics_port=settings.metrics_port,
+        grpc_inference_port=settings.grpc_inference_port,
+        grpc_management_port=settings.grpc_management_port,
         model_store=store,
         load_models=",".join(settings.load_models),
         allowed_urls=_java_escape("file://" + re.escape(store) + "/.*"),
@@ -60,7 +66,37 @@ def render_properties(settings: ServerSettings) -> str:
         token_auth_reason=TOKEN_AUTH_ON_REASON if settings.token_auth else TOKEN_AUTH_OFF_REASON,
         max_request_size=settings.max_request_size,
         max_response_size=settings.max_response_size,
-    )
+        metrics_config_line=(f"metrics_config={os.path.abspath(settings.metrics_config)}"
+                             if settings.metrics_config else "# metrics_config: TorchServe's default"),
+    ) + render_tuned(settings.tuned)
+
+
+TUNED_HEADER = ("# Chosen by `tsbatch tune` for this machine, each under its reason. Server-wide defaults: "
+                "the model's model-config.yaml sets the same values and wins for it.")
+
+
+def render_tuned(entries: tuple[tuple[str, str, str], ...], header: str = TUNED_HEADER) -> str:
+    """key=value lines, each under a comment with its reason; nothing when nothing was tuned."""
+    if not entries:
+        return ""
+    lines = [header]
+    for key, value, reason in entries:
+        lines += [f"# {_one_line(reason)}", f"{key}={_java_escape(str(value))}"]
+    return "\n".join(lines) + "\n"
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def install_metrics_config(model_store: str) -> str:
+    """Copy configs/metrics.yaml (TorchServe's own metrics plus tsbatch's) next to the archives."""
+    import shutil
+
+    os.makedirs(model_store, exist_ok=True)
+    path = os.path.join(os.path.abspath(model_store), "metrics.yaml")
+    shutil.copyfile(os.path.join(CONFIGS, "metrics.yaml"), path)
+    return path
 
 
 def _java_escape(value: str) -> str:
@@ -94,3 +130,33 @@ def model_config(handler: Mapping[str, Any], frontend: Mapping[str, Any] | None 
 def dump_model_config(config: Mapping[str, Any], header: str = "") -> str:
     body = yaml.safe_dump(dict(config), sort_keys=False)
     return (header + "\n" if header else "") + body
+
+
+def render_yaml(config: Mapping[str, Any], comments: Mapping[tuple, str] | None = None, header: str = "") -> str:
+    """YAML text of nested mappings with a `# reason` line above each key that has one.
+
+    `comments` is keyed by the key's path, e.g. ("handler", "batch_caps", 16). PyYAML drops
+    comments, so the block structure is written here and every value in flow style by PyYAML:
+    yaml.safe_load of the text gives `config` back."""
+    lines = [f"# {_one_line(line)}" for line in header.splitlines() if line.strip()]
+    _emit(config, comments or {}, (), 0, lines)
+    return "\n".join(lines) + "\n"
+
+
+def _emit(mapping: Mapping[str, Any], comments: Mapping[tuple, str], path: tuple, depth: int, lines: list[str]) -> None:
+    pad = "  " * depth
+    for key, value in mapping.items():
+        reason = comments.get(path + (key,))
+        if reason:
+            lines.append(f"{pad}# {_one_line(reason)}")
+        if isinstance(value, Mapping) and value:
+            lines.append(f"{pad}{_flow(key)}:")
+            _emit(value, comments, path + (key,), depth + 1, lines)
+        else:
+            lines.append(f"{pad}{_flow(key)}: {_flow(value)}")
+
+
+def _flow(value: Any) -> str:
+    """One value in YAML flow style on one line (a one-item list, then its brackets removed)."""
+    text = yaml.safe_dump([value], default_flow_style=True, width=1 << 30, allow_unicode=True).strip()
+    return text[1:-1]

@@ -25,7 +25,7 @@ sys.path.insert(0, REPO)
 
 from archiver import server  # noqa: E402
 from archiver.package import ArchiveSpec, build_archive  # noqa: E402
-from archiver.properties import ServerSettings, model_config, render_properties  # noqa: E402
+from archiver.properties import ServerSettings, install_metrics_config, model_config, render_properties  # noqa: E402
 from bench.loadgen import RunResult, run_open_loop  # noqa: E402
 from bench.workload import Mix, make_requests, poisson_arrivals  # noqa: E402
 
@@ -90,7 +90,9 @@ def start_server(root: str, model_dir: str, arms: list[str]):
                                   extra_files=extra, handler=spec.get("handler", "handlers/encoder_handler.py")))
     ports = (18080, 18081, 18082)
     settings = ServerSettings(store, tuple(f"arm_{a}.mar" for a in arms), inference_port=ports[0],
-                              management_port=ports[1], metrics_port=ports[2], max_request_size=1 << 22)
+                              management_port=ports[1], metrics_port=ports[2], max_request_size=1 << 22,
+                              grpc_inference_port=18070, grpc_management_port=18071,
+                              metrics_config=install_metrics_config(store))
     props = os.path.join(root, "config.properties")
     with open(props, "w") as f:
         f.write(render_properties(settings))

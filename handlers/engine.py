@@ -86,6 +86,7 @@ class Engine:
             outcomes, report = self.isolator.execute(batch)
         except Exception as error:  # noqa: BLE001 - isolation itself never raises; belt and braces
             outcomes, report = [ModelFailed(f"internal error: {error}")] * len(tickets), None
-        self.on_batch(batch, tickets, report, started, self.clock())
+        finished = self.clock()
         for ticket, outcome in zip(tickets, outcomes):
             self.deliver(ticket, outcome, len(tickets))
+        self.on_batch(batch, tickets, report, started, finished)  # after answering: metrics never delay them

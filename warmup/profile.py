@@ -21,6 +21,7 @@ class ShapeTiming:
     p90_ms: float
     runs: int
     first_ms: float  # the untimed first pass: what a cold request would have paid
+    total_ms: float = 0.0  # everything warmup spent on this shape
 
 
 @dataclass
@@ -34,7 +35,7 @@ class LatencyProfile:
         ordered = sorted(timings_ms)
         p90 = ordered[min(len(ordered) - 1, int(round(0.9 * (len(ordered) - 1))))]
         timing = ShapeTiming(batch, bucket, round(statistics.median(ordered), 3), round(p90, 3),
-                             len(ordered), round(first_ms, 3))
+                             len(ordered), round(first_ms, 3), round(first_ms + sum(ordered), 3))
         self.shapes.append(timing)
         return timing
 

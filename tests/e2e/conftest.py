@@ -12,7 +12,7 @@ import pytest
 
 from archiver import server
 from archiver.package import ArchiveSpec, build_archive
-from archiver.properties import ServerSettings, model_config, render_properties
+from archiver.properties import ServerSettings, install_metrics_config, model_config, render_properties
 
 # A long delay makes concurrent requests meet in one frontend batch; a full batch leaves at once.
 TEST_FRONTEND = {"batchSize": 8, "maxBatchDelay": 500, "minWorkers": 1, "maxWorkers": 2,
@@ -22,8 +22,9 @@ ASYNC_FRONTEND = {"batchSize": 1, "maxBatchDelay": 1, "minWorkers": 1, "maxWorke
                   "asyncCommunication": True}
 MODELS = {
     # name -> (handler section, frontend keys); "minilm" also carries the POISON seam
-    "minilm": ({"task": "embedding", "fault_injection": {"substring": "POISON"}, "max_batch_size": 8},
-               TEST_FRONTEND),
+    # a few buckets keep warmup short in tests; the shipped default has 16
+    "minilm": ({"task": "embedding", "fault_injection": {"substring": "POISON"}, "max_batch_size": 8,
+                "buckets": [16, 64, 256]}, TEST_FRONTEND),
     "minilm_oom": ({"task": "embedding", "fault_injection": {"oom_above_batch": 2}, "warmup": False},
                    TEST_FRONTEND),
     "minilm_async": ({"task": "embedding", "fault_injection": {"substring": "POISON"}, "warmup": False,
@@ -62,9 +63,11 @@ def torchserve(tmp_path_factory, minilm_dir):
     store = str(root / "model_store")
     for name, (handler, frontend) in MODELS.items():
         build_archive(ArchiveSpec(minilm_dir, name, model_config(handler, frontend), store))
-    ports = free_ports(3)
+    ports = free_ports(5)
     settings = ServerSettings(model_store=store, load_models=tuple(f"{n}.mar" for n in MODELS),
-                              inference_port=ports[0], management_port=ports[1], metrics_port=ports[2])
+                              inference_port=ports[0], management_port=ports[1], metrics_port=ports[2],
+                              grpc_inference_port=ports[3], grpc_management_port=ports[4],
+                              metrics_config=install_metrics_config(store))
     properties = str(root / "config.properties")
     with open(properties, "w") as f:
         f.write(render_properties(settings))

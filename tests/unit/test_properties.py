@@ -132,9 +132,26 @@ def test_every_placeholder_is_filled(store):
     expected = {
         *ADDRESSES, "model_store", "load_models", "allowed_urls", "enable_model_api",
         "disable_token_authorization", "max_request_size", "max_response_size", "metrics_mode",
-        "install_py_dep_per_model",
+        "install_py_dep_per_model", "grpc_inference_address", "grpc_inference_port",
+        "grpc_management_address", "grpc_management_port",
     }
     assert set(read_properties(text)) == expected
+
+
+def test_grpc_listeners_are_loopback_on_their_own_ports(store):
+    values = read_properties(render_properties(ServerSettings(
+        model_store=store, load_models=("m.mar",), grpc_inference_port=17070, grpc_management_port=17071)))
+    assert values["grpc_inference_address"] == values["grpc_management_address"] == "127.0.0.1"
+    assert (values["grpc_inference_port"], values["grpc_management_port"]) == ("17070", "17071")
+
+
+def test_metrics_config_is_installed_and_named(tmp_path):
+    from archiver.properties import install_metrics_config
+
+    path = install_metrics_config(str(tmp_path / "store"))
+    values = read_properties(render_properties(ServerSettings(
+        model_store=str(tmp_path / "store"), load_models=("m.mar",), metrics_config=path)))
+    assert values["metrics_config"] == path and os.path.exists(path)
 
 
 # -- read_properties ---------------------------------------------------------------------------
