@@ -22,7 +22,7 @@ from typing import Any
 
 from handlers.buckets import Item, batch_cap, bucket_for, check_edges, default_edges, plan_batches
 from handlers.config import HandlerConfig
-from handlers.errors import BadInput, DeadlineExceeded, ModelFailed, Overloaded, ServingError
+from handlers.errors import BadInput, ConfigError, DeadlineExceeded, ModelFailed, Overloaded, ServingError
 from handlers.isolate import Isolator, OomCaps
 from handlers.metrics import Metrics
 from handlers.parse import parse_text, row_value
@@ -60,6 +60,11 @@ class EncoderHandler:
         self.runner = ModelRunner(self.config, os.path.join(model_dir, self.config.model_dir))
         max_length = self.runner.max_length
         self.edges = check_edges(self.config.buckets or default_edges(max_length), max_length)
+        if self.config.max_batch_tokens < self.edges[-1]:
+            raise ConfigError(
+                f"handler.max_batch_tokens ({self.config.max_batch_tokens}) must hold one request of the "
+                f"largest bucket ({self.edges[-1]} tokens): raise it or lower max_length"
+            )
         self.metrics = Metrics(getattr(context, "metrics", None), context.model_name, self._gpu_sampler())
         self.isolator = Isolator(self._timed_run, self.config.isolation_budget, OomCaps())
         async_mode = yaml_config.get("asyncCommunication") is True

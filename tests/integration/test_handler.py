@@ -152,3 +152,10 @@ def test_bad_config_fails_at_load_with_a_clear_message(minilm_dir, handler_secti
     context = make_context(minilm_dir, handler_section)
     with pytest.raises(ConfigError, match=words.replace(".", r"\.")):
         EncoderHandler().initialize(context)
+
+
+def test_token_budget_below_one_request_of_the_largest_bucket_fails_at_load(minilm_dir):
+    context = make_context(minilm_dir, {"task": "embedding", "model_dir": minilm_dir, "max_batch_tokens": 100,
+                                        "warmup": False})
+    with pytest.raises(ConfigError, match=r"max_batch_tokens \(100\) must hold one request of the largest bucket \(256"):
+        EncoderHandler().initialize(context)
