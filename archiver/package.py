@@ -5,6 +5,7 @@ model's files under `model/`, and model-config.yaml. Nothing is fetched from a h
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -12,6 +13,8 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
+
+import yaml
 
 from archiver.properties import dump_model_config
 
@@ -33,6 +36,7 @@ class ArchiveSpec:
     export_path: str
     config_header: str = ""
     extra_files: Mapping[str, str] | None = None  # archive name -> local path (e.g. the profile)
+    config_text: str = ""  # model-config.yaml as written (with tune's reasons); empty: dump model_config
     handler: str = ENTRY  # the handler entry file, relative to the repo (benchmark controls differ)
 
 
@@ -50,6 +54,10 @@ def check_model_dir(model_dir: str) -> list[str]:
             f"{model_dir} has no .safetensors weights: tsbatch loads only safetensors "
             "(convert with model.save_pretrained(dir, safe_serialization=True))"
         )
+    check_config_json(os.path.join(model_dir, "config.json"))
+    for name in names:
+        if name.endswith(".safetensors"):
+            check_safetensors(os.path.join(model_dir, name))
     real_root = os.path.realpath(model_dir)
     files = []
     for name in names:
@@ -62,6 +70,48 @@ def check_model_dir(model_dir: str) -> list[str]:
             raise ArchiveError(f"{path} resolves outside the model directory")
         files.append(name)
     return files
+
+
+def check_config_json(path: str) -> None:
+    """config.json must be a JSON object: the first thing transformers reads."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (ValueError, UnicodeDecodeError) as error:
+        raise ArchiveError(f"{path} is not valid JSON ({error}): the model cannot load") from None
+    if not isinstance(config, dict):
+        raise ArchiveError(f"{path} must hold a JSON object, got {type(config).__name__}: the model cannot load")
+
+
+def check_safetensors(path: str) -> None:
+    """A .safetensors file must have a readable header whose tensors lie inside the file (catches
+    truncated and corrupt weights without loading them): 8-byte little-endian header size, then
+    the JSON header, then the data."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if length < 2 or 8 + length > size:
+            raise ArchiveError(f"{path} is not a safetensors file (bad header size): the weights are corrupt or truncated")
+        try:
+            header = json.loads(f.read(length).decode("utf-8"))
+        except (ValueError, UnicodeDecodeError):
+            raise ArchiveError(f"{path} has an unreadable safetensors header: the weights are corrupt") from None
+    if not isinstance(header, dict):
+        raise ArchiveError(f"{path} has an unreadable safetensors header: the weights are corrupt")
+    data = size - 8 - length
+    ends = []
+    for key, tensor in header.items():
+        if key == "__metadata__":
+            continue
+        offsets = tensor.get("data_offsets") if isinstance(tensor, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+            raise ArchiveError(f"{path}: tensor {key!r} has no valid data_offsets: the weights are corrupt")
+        ends.append(offsets[1])
+    if not ends:
+        raise ArchiveError(f"{path} holds no tensors: the weights are missing")
+    if max(ends) > data:
+        raise ArchiveError(f"{path} is truncated: its tensors need {max(ends)} bytes of data, the file has {data}")
 
 
 def stage(spec: ArchiveSpec, workdir: str) -> tuple[str, str, str]:
@@ -81,9 +131,18 @@ def stage(spec: ArchiveSpec, workdir: str) -> tuple[str, str, str]:
         shutil.copy2(local, os.path.join(extra, archive_name))
     config_path = os.path.join(workdir, "model-config.yaml")
     with open(config_path, "w") as f:
-        f.write(dump_model_config(spec.model_config, spec.config_header))
+        f.write(_config_text(spec))
     handler = os.path.join(extra, spec.handler) if spec.handler == ENTRY else os.path.join(REPO, spec.handler)
     return handler, extra, config_path
+
+
+def _config_text(spec: ArchiveSpec) -> str:
+    """The text for model-config.yaml; a given text must say exactly what model_config says."""
+    if not spec.config_text:
+        return dump_model_config(spec.model_config, spec.config_header)
+    if yaml.safe_load(spec.config_text) != dict(spec.model_config):
+        raise ArchiveError("internal error: the commented model-config.yaml does not parse to the model config")
+    return spec.config_text
 
 
 def build_archive(spec: ArchiveSpec, progress: Callable[[str], None] = lambda _: None) -> str:

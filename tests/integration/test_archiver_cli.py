@@ -1,0 +1,228 @@
+"""`python -m archiver` as a user runs it: profile, tune, archive, export --kserve, and clear refusals."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+
+import pytest
+import yaml
+
+from archiver.properties import read_properties
+from warmup.profile import PROFILE_FILE, LatencyProfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SMALL = {"buckets": [16, 64, 256], "max_batch_size": 4}  # 9 shapes: a profile in seconds
+
+
+def tsbatch(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "archiver", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "PYTHONPATH": REPO})
+
+
+def refused(done: subprocess.CompletedProcess, *words: str) -> str:
+    assert done.returncode != 0, done.stdout
+    for word in words:
+        assert word in done.stderr, (word, done.stderr)
+    return done.stderr
+
+
+def mar_member(mar: str, name: str) -> str:
+    with zipfile.ZipFile(mar) as archive:
+        return archive.read(name).decode()
+
+
+@pytest.fixture(scope="module")
+def small_config(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("cfg") / "small.yaml"
+    path.write_text(yaml.safe_dump(SMALL))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def profile(tmp_path_factory, minilm_dir, small_config) -> str:
+    """One real profile of the default model with a small shape set, taken by the CLI."""
+    out = str(tmp_path_factory.mktemp("profile") / "p.json")
+    done = tsbatch("profile", "--model-dir", minilm_dir, "--handler-config", small_config, "--out", out)
+    assert done.returncode == 0, done.stderr
+    assert "warmup shape 9 of 9" in done.stdout  # progress on stdout
+    return out
+
+
+def model_copy(tmp_path, minilm_dir, skip=()) -> str:
+    """The default model's files in a folder of our own, to break on purpose."""
+    path = tmp_path / "model"
+    path.mkdir()
+    for name in os.listdir(minilm_dir):
+        if name not in skip and os.path.isfile(os.path.join(minilm_dir, name)):
+            shutil.copy(os.path.join(minilm_dir, name), path / name)
+    return str(path)
+
+
+# -- refusals: non-zero exit and a message that says what is wrong -----------------------------------
+
+def test_a_missing_model_directory_is_refused_before_profiling(tmp_path):
+    refused(tsbatch("archive", "--model-dir", str(tmp_path / "nope"), "--out", str(tmp_path / "s")), "does not exist")
+    assert not (tmp_path / "s").exists()
+
+
+def test_a_model_without_tokenizer_is_refused(tmp_path, minilm_dir):
+    model = model_copy(tmp_path, minilm_dir, skip={"tokenizer.json", "vocab.txt"})
+    refused(tsbatch("profile", "--model-dir", model, "--out", str(tmp_path / "p.json")), "has no tokenizer")
+
+
+def test_a_model_without_weights_is_refused(tmp_path, minilm_dir):
+    model = model_copy(tmp_path, minilm_dir, skip={"model.safetensors"})
+    refused(tsbatch("archive", "--no-tune", "--model-dir", model, "--out", str(tmp_path / "s")), "no .safetensors")
+
+
+def test_an_unknown_task_is_refused(tmp_path):
+    refused(tsbatch("archive", "--task", "translation", "--out", str(tmp_path / "s")), "invalid choice", "translation")
+
+
+@pytest.mark.parametrize("breakage, message", [
+    ("config", "is not valid JSON"),
+    ("weights", "not a safetensors file"),
+    ("truncated", "is truncated"),
+])
+def test_garbage_model_files_are_refused_without_loading(tmp_path, minilm_dir, profile, breakage, message):
+    model = model_copy(tmp_path, minilm_dir)
+    if breakage == "config":
+        with open(os.path.join(model, "config.json"), "w") as f:
+            f.write("{this is not json")
+    elif breakage == "weights":
+        with open(os.path.join(model, "model.safetensors"), "wb") as f:
+            f.write(b"\x00garbage" * 100)
+    else:
+        path = os.path.join(model, "model.safetensors")
+        os.truncate(path, os.path.getsize(path) // 2)
+    refused(tsbatch("archive", "--model-dir", model, "--profile", profile, "--out", str(tmp_path / "s")), message)
+    assert not os.path.exists(tmp_path / "s" / "minilm.mar")
+
+
+def test_a_model_that_fails_to_load_is_refused_by_profile(tmp_path, minilm_dir):
+    model = model_copy(tmp_path, minilm_dir)
+    with open(os.path.join(model, "config.json"), "w") as f:
+        json.dump({"model_type": "no-such-architecture"}, f)
+    refused(tsbatch("profile", "--model-dir", model, "--out", str(tmp_path / "p.json")), "failed to load in the handler")
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_a_target_below_what_the_model_can_do_is_refused(tmp_path, profile):
+    stderr = refused(tsbatch("tune", "--profile", profile, "--target-ms", "5", "--out", str(tmp_path / "t")),
+                     "below what this model can do", "bucket 256", "batch 1", "--target-ms")
+    assert "Traceback" not in stderr
+    assert not (tmp_path / "t" / "model-config.yaml").exists()
+
+
+def test_a_file_that_is_not_a_profile_is_refused(tmp_path, minilm_dir):
+    bad = tmp_path / "p.json"
+    bad.write_text('{"not": "a profile"}')
+    refused(tsbatch("archive", "--profile", str(bad), "--out", str(tmp_path / "s")), "is not a latency profile")
+
+
+def test_a_bad_handler_config_is_refused(tmp_path):
+    config = tmp_path / "h.yaml"
+    config.write_text("max_batch_size: 0\n")
+    refused(tsbatch("profile", "--handler-config", str(config)), "handler.max_batch_size")
+
+
+def test_profile_and_no_tune_exclude_each_other(tmp_path, profile):
+    refused(tsbatch("archive", "--no-tune", "--profile", profile), "not allowed with")
+
+
+# -- what gets built --------------------------------------------------------------------------------
+
+def test_the_profile_lists_every_shape_and_this_machine(profile):
+    loaded = LatencyProfile.load(profile)
+    assert {(s.batch, s.bucket) for s in loaded.shapes} == {(b, e) for e in (16, 64, 256) for b in (1, 2, 4)}
+    env = loaded.environment
+    assert env["cpu_count"] == len(os.sched_getaffinity(0)) and env["gpu_count"] >= 0
+    assert env["load_seconds"] > 0 and env["peak_rss_mb"] > 0 and loaded.warmup_seconds > 0
+    assert env["task"] == "embedding" and env["worker_torch_threads"] >= 1
+
+
+def test_archive_with_a_profile_builds_a_tuned_mar(tmp_path, minilm_dir, profile, small_config):
+    store = tmp_path / "store"
+    done = tsbatch("archive", "--model-dir", minilm_dir, "--profile", profile, "--handler-config", small_config,
+                   "--target-ms", "400", "--out", str(store))
+    assert done.returncode == 0, done.stderr
+    assert "predicted p99" in done.stdout
+    mar = str(store / "minilm.mar")
+    text = mar_member(mar, "model-config.yaml")
+    config = yaml.safe_load(text)
+    assert config["asyncCommunication"] is True and config["batchSize"] == 1
+    handler = config["handler"]
+    assert handler["buckets"] == [16, 64, 256] and set(handler["batch_caps"]) == {16, 64, 256}
+    assert all(cap in (1, 2, 4) for cap in handler["batch_caps"].values())
+    assert config["minWorkers"] * handler["torch_threads"] <= len(os.sched_getaffinity(0))
+    assert config["startupTimeout"] >= 120
+    for key in ("batchSize", "minWorkers", "startupTimeout", "jobQueueSize"):  # each with its reason above it
+        lines = text.splitlines()
+        assert lines[lines.index(next(l for l in lines if l.startswith(f"{key}:"))) - 1].startswith("# ")
+    shipped = json.loads(mar_member(mar, PROFILE_FILE))
+    assert shipped["shapes"] == json.loads(open(profile).read())["shapes"]
+    with open(store / "config.properties") as f:
+        values = read_properties(f.read())
+    assert values["inference_address"] == "http://127.0.0.1:8080" and values["load_models"] == "minilm.mar"
+    assert values["default_workers_per_model"] == str(config["minWorkers"])
+    assert values["metrics_config"] == str(store / "metrics.yaml") and os.path.isfile(values["metrics_config"])
+    assert values["job_queue_size"] == str(config["jobQueueSize"])
+
+
+def test_archive_no_tune_keeps_the_template(tmp_path, minilm_dir, small_config):
+    store = tmp_path / "store"
+    done = tsbatch("archive", "--no-tune", "--model-dir", minilm_dir, "--handler-config", small_config,
+                   "--name", "plain", "--out", str(store))
+    assert done.returncode == 0, done.stderr
+    config = yaml.safe_load(mar_member(str(store / "plain.mar"), "model-config.yaml"))
+    with open(os.path.join(REPO, "configs", "model-config.yaml")) as f:
+        template = yaml.safe_load(f)
+    assert {k: v for k, v in config.items() if k != "handler"} == {k: v for k, v in template.items() if k != "handler"}
+    assert "batch_caps" not in config["handler"] and config["handler"]["max_batch_size"] == 4
+    with zipfile.ZipFile(store / "plain.mar") as archive:
+        assert PROFILE_FILE not in archive.namelist()
+    with open(store / "config.properties") as f:
+        values = read_properties(f.read())
+    assert "default_workers_per_model" not in values and values["load_models"] == "plain.mar"
+
+
+def test_export_kserve_writes_the_layout_and_manifest(tmp_path, minilm_dir, profile, small_config):
+    out = tmp_path / "kserve"
+    done = tsbatch("export", "--kserve", "--out", str(out), "--model-dir", minilm_dir, "--profile", profile,
+                   "--handler-config", small_config, "--storage-uri", "s3://models/minilm")
+    assert done.returncode == 0, done.stderr
+    assert sorted(os.listdir(out / "model-store")) == ["minilm.mar"]
+    with open(out / "config" / "config.properties") as f:
+        values = read_properties(f.read())
+    entry = json.loads(values["model_snapshot"])["models"]["minilm"]["1.0"]
+    config = yaml.safe_load(mar_member(str(out / "model-store" / "minilm.mar"), "model-config.yaml"))
+    assert config["asyncCommunication"] is False and config["batchSize"] == 1  # KServe's envelope is synchronous
+    assert entry["minWorkers"] == config["minWorkers"] and entry["batchSize"] == 1
+    assert values["model_store"] == "/mnt/models/model-store" and values["enable_envvars_config"] == "true"
+    assert values["metrics_config"] == "/mnt/models/config/metrics.yaml"
+    assert (out / "config" / "metrics.yaml").is_file()
+    with open(out / "inferenceservice.yaml") as f:
+        manifest = yaml.safe_load(f)
+    assert (manifest["apiVersion"], manifest["kind"]) == ("serving.kserve.io/v1beta1", "InferenceService")
+    model = manifest["spec"]["predictor"]["model"]
+    assert model["storageUri"] == "s3://models/minilm" and model["modelFormat"]["name"] == "pytorch"
+    assert model["resources"]["limits"]["cpu"] == str(config["minWorkers"] * config["handler"]["torch_threads"])
+
+
+def test_export_needs_kserve_and_a_batch_of_one(tmp_path):
+    refused(tsbatch("export", "--out", str(tmp_path / "k")), "--kserve")
+    refused(tsbatch("export", "--kserve", "--no-tune", "--batch-size", "8", "--out", str(tmp_path / "k")),
+            "--batch-size must stay 1")
+    assert not (tmp_path / "k").exists()
+
+
+@pytest.mark.parametrize("command", ["archive", "profile", "tune", "export"])
+def test_every_subcommand_explains_itself(command):
+    done = tsbatch(command, "--help")
+    assert done.returncode == 0 and "usage: tsbatch " + command in done.stdout
+    if command in ("archive", "tune", "export"):
+        assert "--target-ms" in done.stdout
