@@ -15,6 +15,8 @@ RUN_DIR ?= $(CURDIR)/.run
 INFERENCE ?= http://127.0.0.1:8080
 MANAGEMENT ?= http://127.0.0.1:8081
 PYTEST_ARGS ?=
+# e.g. ARCHIVE_ARGS=--no-tune for a fast build, or --profile FILE taken on the serving machine
+ARCHIVE_ARGS ?=
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 SERVE_ENV = TMPDIR=$(RUN_DIR)/tmp TEMP=$(RUN_DIR)/tmp LOG_LOCATION=$(RUN_DIR)/logs METRICS_LOCATION=$(RUN_DIR)/logs PATH=$(CURDIR)/$(VENV)/bin:$$PATH
 
@@ -46,7 +48,7 @@ java:
 setup: $(VENV)/.installed java
 
 archive: setup
-	$(PYTHON) -m archiver archive $(if $(MODEL_DIR),--model-dir "$(MODEL_DIR)") --name $(NAME) --task $(TASK) --out $(STORE)
+	$(PYTHON) -m archiver archive $(if $(MODEL_DIR),--model-dir "$(MODEL_DIR)") --name $(NAME) --task $(TASK) --out $(STORE) $(ARCHIVE_ARGS)
 
 serve: archive
 	@$(MAKE) --no-print-directory stop >/dev/null

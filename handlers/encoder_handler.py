@@ -57,7 +57,9 @@ class EncoderHandler:
         yaml_config = context.model_yaml_config or {}
         model_dir = context.system_properties.get("model_dir")
         self.config = HandlerConfig.from_yaml(yaml_config.get("handler"))
-        self.runner = ModelRunner(self.config, os.path.join(model_dir, self.config.model_dir))
+        gpu_id = context.system_properties.get("gpu_id")
+        self.runner = ModelRunner(self.config, os.path.join(model_dir, self.config.model_dir),
+                                  int(gpu_id) if isinstance(gpu_id, (int, str)) and str(gpu_id).isdigit() else None)
         max_length = self.runner.max_length
         self.edges = check_edges(self.config.buckets or default_edges(max_length), max_length)
         if self.config.max_batch_tokens < self.edges[-1]:
@@ -272,9 +274,16 @@ class EncoderHandler:
         return items
 
     def answer(self, outcomes: list, context, batch_sizes: list[int], padded: list[int]) -> list:
-        """Write each request's status once, here, and return one body per request."""
+        """Write each request's status once, here, and return one body per request.
+
+        Rows beyond the context's requests (KServe's envelope hands one request's instances as
+        several rows) get their bodies but no per-request headers: there is no request to set."""
         bodies = []
+        requests = len(getattr(context, "request_processor", None) or outcomes)
         for index, outcome in enumerate(outcomes):
+            if index >= requests:
+                bodies.append(json.dumps(outcome.to_body() if isinstance(outcome, ServingError) else outcome))
+                continue
             context.set_response_content_type(index, JSON)
             context.set_response_header(index, BATCH_SIZE_HEADER, str(batch_sizes[index]))
             if padded[index]:

@@ -49,9 +49,12 @@ class Encoding:
     offsets: list[tuple[int, int]] | None = None
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, gpu_id: int | None = None) -> torch.device:
+    """`auto` is the GPU TorchServe assigned this worker (gpu_id), or the CPU when there is none."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        return torch.device(f"cuda:{gpu_id}" if gpu_id is not None else "cuda")
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"handler.device is {name!r} but torch sees no CUDA device")
     return torch.device(name)
@@ -80,12 +83,12 @@ def model_max_length(model_path: str, tokenizer, model_config) -> int:
 class ModelRunner:
     """Loads a Hugging Face encoder from a local directory and runs planned batches on it."""
 
-    def __init__(self, config: HandlerConfig, model_path: str):
+    def __init__(self, config: HandlerConfig, model_path: str, gpu_id: int | None = None):
         if not os.path.isdir(model_path):
             raise ConfigError(f"model directory {model_path} does not exist")
         self.config = config
         self.task = config.task
-        self.device = resolve_device(config.device)
+        self.device = resolve_device(config.device, gpu_id)
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)

@@ -159,3 +159,19 @@ def test_token_budget_below_one_request_of_the_largest_bucket_fails_at_load(mini
                                         "warmup": False})
     with pytest.raises(ConfigError, match=r"max_batch_tokens \(100\) must hold one request of the largest bucket \(256"):
         EncoderHandler().initialize(context)
+
+
+def test_rows_beyond_the_contexts_requests_still_get_bodies(minilm):
+    """KServe's envelope hands one request's instances to handle() as several rows."""
+    from ts.context import RequestProcessor
+
+    handler, context = minilm
+    context.request_processor = [RequestProcessor({"body": {"content-type": "application/json"}})]
+    context.request_ids = {0: "req-0"}
+    bodies = handler.handle([{"body": {"text": "one"}}, {"body": {"text": "two"}}, {"body": {"txt": 3}}], context)
+    assert len(bodies) == 3
+    import json as _json
+
+    parsed = [_json.loads(b) for b in bodies]
+    assert len(parsed[0]["embedding"]) == len(parsed[1]["embedding"]) == 384
+    assert parsed[2]["code"] == 400
