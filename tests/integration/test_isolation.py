@@ -5,19 +5,14 @@ import logging
 
 import pytest
 
-from handlers.encoder_handler import EncoderHandler
-from tests.support import call, cosine, make_context
+from tests.support import call, cosine, load_handler
 
 TEXTS = [f"text number {i} about {w}" for i, w in enumerate(
     ["apples", "trains", "oceans", "poems", "chess", "clouds", "violins", "deserts"])]
 
 
 def load(model_dir: str, **handler):
-    handler = {"warmup": False, **handler}  # warmup has its own tests; keep these fast
-    context = make_context(model_dir, {"task": "embedding", "model_dir": model_dir, **handler})
-    handler_obj = EncoderHandler()
-    handler_obj.initialize(context)
-    return handler_obj, context
+    return load_handler(model_dir, **handler)
 
 
 @pytest.fixture(scope="module")

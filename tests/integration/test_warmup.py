@@ -11,7 +11,6 @@ import pytest
 from handlers.buckets import plan_batches
 from handlers.encoder_handler import EncoderHandler
 from tests.support import call, make_context
-from warmup.plan import Shape
 from warmup.profile import PROFILE_FILE, LatencyProfile
 
 
