@@ -76,11 +76,7 @@ def one(handler_section: dict, steady_runs: int) -> dict:
 
 
 def _graphs_since_ready(runner) -> int | None:
-    if not runner.compiled:
-        return None
-    from handlers.runner import _compiled_graphs
-
-    return _compiled_graphs() - (runner._graphs_at_ready or 0)
+    return runner.recompiles_after_ready if runner.compiled else None
 
 
 def main(argv=None) -> int:

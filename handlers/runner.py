@@ -100,6 +100,7 @@ class ModelRunner:
         self.model = model.to(self.device, dtype=torch.float32).eval()
         self.compiled = False
         self._graphs_at_ready: int | None = None
+        self.recompiles_after_ready = 0  # graphs compiled after READY: shapes warmup missed
         if config.compile:
             # static shapes: bucketing and power-of-two batches make the shape set finite,
             # and warmup compiles every one of them before READY
@@ -146,6 +147,7 @@ class ModelRunner:
             return
         graphs = _compiled_graphs()
         if graphs > self._graphs_at_ready:
+            self.recompiles_after_ready += graphs - self._graphs_at_ready
             logger.warning("tsbatch: torch.compile recompiled after READY for batch %d x %d tokens "
                            "(a shape warmup did not cover)", batch.size, batch.bucket)
             self._graphs_at_ready = graphs
