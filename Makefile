@@ -20,7 +20,7 @@ ARCHIVE_ARGS ?=
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 SERVE_ENV = TMPDIR=$(RUN_DIR)/tmp TEMP=$(RUN_DIR)/tmp LOG_LOCATION=$(RUN_DIR)/logs METRICS_LOCATION=$(RUN_DIR)/logs PATH=$(CURDIR)/$(VENV)/bin:$$PATH
 
-.PHONY: setup java archive serve stop test test-unit test-transformers4 bench bench-warmup soak clean help
+.PHONY: setup java archive serve stop test test-unit test-transformers4 bench bench-warmup soak chaos clean help
 
 help:
 	@echo "make serve    set up, archive all-MiniLM-L6-v2 as '$(NAME)' and serve it on 127.0.0.1:8080-8082"
@@ -30,6 +30,7 @@ help:
 	@echo "make bench    tsbatch against TorchServe's stock batching, side by side (bench/results/bench.*)"
 	@echo "make bench-warmup  first request vs steady state per shape, warmup and compile on/off"
 	@echo "make soak     50,000 requests through async mode; frontend memory at start and end"
+	@echo "make chaos    worker killed mid-batch and overload at 3x capacity (bench/results/chaos.*)"
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -91,6 +92,9 @@ bench-warmup: setup
 
 soak: setup
 	$(PYTHON) bench/soak.py $(BENCH_ARGS)
+
+chaos: setup
+	$(PYTHON) bench/chaos.py $(BENCH_ARGS)
 
 clean: stop
 	rm -rf $(STORE) $(RUN_DIR) .pytest_cache

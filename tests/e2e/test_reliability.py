@@ -1,0 +1,209 @@
+"""Reliability through a real torchserve: overload, a worker killed mid-batch, a bad archive.
+
+Every request gets an answer — a result or a clear error — and none hangs; a killed worker is
+replaced, warms up again and serves. The long versions (3x capacity for a minute, kill drills on
+the shipped configuration) are in bench/chaos.py; these are short, bounded ones.
+
+The session's models: "minilm" (TorchServe batching, warmup on), "minilm_async" (tsbatch's
+scheduler, queue_cap 64, warmup off). Tests that change a model's workers restore them.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import time
+
+import pytest
+import requests
+
+from archiver import server
+from archiver.package import ArchiveSpec, build_archive
+from archiver.properties import ServerSettings, model_config, render_properties
+from bench.chaos import (Load, MemorySampler, answer_problems, burst, by_status, free_ports, measure_capacity,
+                         open_loop, percentile, restore_workers, shoot, wait_busy, wait_until, warmups, worker_pids)
+from handlers.encoder_handler import WORKER_HEADER
+from tests.e2e.conftest import ASYNC_FRONTEND, TEST_FRONTEND
+
+DEADLINE_MS = 1500
+MB = 1024
+
+
+def texts(count: int, words: int = 30) -> list[bytes]:
+    return [(f"request {i}: " + " ".join(["overload"] * words)).encode() for i in range(count)]
+
+
+def huge(i: int) -> bytes:
+    """~900 KB of text, under max_request_size: about a second of tokenizing each."""
+    return (f"huge request {i} " + "word " * 180_000).encode()
+
+
+def scale(management: str, model: str, low: int, high: int) -> None:
+    response = requests.put(f"{management}/models/{model}?min_worker={low}&max_worker={high}&synchronous=true",
+                            timeout=300)
+    assert response.status_code == 200, response.text
+
+
+def one_worker(management: str, model: str) -> int:
+    """The pid of the model's only worker, once it is READY."""
+    def single():
+        found = server.workers(management, model)
+        return found if len(found) == 1 and found[0]["status"] == "READY" else None
+
+    return int(wait_until(single, 300, what=f"{model} with exactly one READY worker")[0]["pid"])
+
+
+# -- overload: 3x capacity, bounded ------------------------------------------------------------
+
+def test_overload_answers_everyone_promptly_within_deadlines_and_memory_stays_bounded(torchserve):
+    """3x what 16 closed-loop clients get, for ~4 s, against a queue_cap of 64."""
+    url = f"{torchserve.inference}/predictions/minilm_async"
+    bodies = texts(200)
+    capacity = measure_capacity(url, bodies, clients=16, seconds=3, timeout=30)["capacity_rps"]
+    assert capacity > 0, "minilm_async answered nothing"
+    rate = 3 * capacity
+    count = min(1500, max(300, int(rate * 4)))
+    arrivals = [i / rate for i in range(count)]
+    java = server.running_pid(torchserve.paths)
+    with MemorySampler(java, lambda: worker_pids(torchserve.management, "minilm_async")) as memory:
+        shots = open_loop(url, [bodies[i % len(bodies)] for i in range(count)], arrivals,
+                          {"X-Deadline-Ms": str(DEADLINE_MS)}, timeout=30)
+    statuses = by_status(shots)
+    accepted = [s.latency for s in shots if s.status == 200]
+    print(f"\ncapacity {capacity:.1f} req/s, offered {rate:.1f} req/s x {count}: {statuses}; accepted p50 "
+          f"{percentile(accepted, 50):.2f}s p99 {percentile(accepted, 99):.2f}s; memory {memory.summary()}")
+
+    assert answer_problems(shots) == []  # answered, 200/503/504, 503 with Retry-After, JSON errors
+    assert statuses.get("200", 0) > 0 and statuses.get("503", 0) > 0, statuses  # served, and shed load
+    deadline = DEADLINE_MS / 1000
+    for shot in shots:
+        # Loose bounds: the deadline clock starts when the handler sees a request and a pass may
+        # start just before it (see the xfail below); bench/chaos.py reports the real misses.
+        bound = {200: deadline + 5.0, 503: 5.0, 504: deadline + 5.0}[shot.status]
+        assert shot.latency <= bound, f"{shot.status} after {shot.latency:.2f}s (bound {bound}s)"
+    after = asyncio.run(shoot(url, b"after the overload", timeout=10))
+    assert after.status == 200
+    mem = memory.summary()
+    for key in ("jvm_rss_kb", "worker_rss_kb"):
+        assert mem[key]["end"] - mem[key]["start"] < 200 * MB, (key, mem[key])
+
+
+def test_a_burst_is_shed_with_retry_after(torchserve):
+    shots = burst(f"{torchserve.inference}/predictions/minilm_async", texts(300, words=10),
+                  {"X-Deadline-Ms": str(DEADLINE_MS)}, timeout=30)
+    assert all(s.answered for s in shots), by_status(shots)
+    assert answer_problems(shots) == []
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="bug: X-Deadline-Ms is counted from when the handler tokenized the request, and async "
+                          "mode tokenizes on the worker's event loop: time queued behind other requests' intake "
+                          "does not count, so an accepted request can finish far past its deadline")
+def test_a_request_is_answered_within_its_deadline_even_behind_huge_ones(torchserve):
+    url = f"{torchserve.inference}/predictions/minilm_async"
+    load = Load()
+    try:
+        victim = one_worker(torchserve.management, "minilm_async")
+        big = [load.send(url, huge(i), timeout=90) for i in range(8)]  # about a second of tokenizing each
+        wait_busy([victim], cpu=0.2, timeout=60)
+        small = load.send(url, b"a short request in a hurry", headers={"X-Deadline-Ms": "300"}, timeout=60).result(60)
+        assert all(f.result(90).status == 200 for f in big)
+        assert small.status in (200, 504), small.body[:200]
+        assert small.latency <= 0.3 + 0.5, f"{small.status} after {small.latency:.2f}s with X-Deadline-Ms 300"
+    finally:
+        load.close(5)
+
+
+# -- a worker killed mid-batch ------------------------------------------------------------------
+
+def test_a_worker_killed_mid_batch_fails_its_batch_promptly_and_comes_back_warm(torchserve):
+    url = f"{torchserve.inference}/predictions/minilm"
+    scale(torchserve.management, "minilm", 1, 1)  # one worker: the batch cannot be split between two
+    load = Load()
+    try:
+        victim = one_worker(torchserve.management, "minilm")
+        batch = [load.send(url, huge(i), timeout=120) for i in range(8)]  # one full TorchServe batch
+        wait_busy([victim], cpu=0.5, timeout=60)
+        if any(f.done() for f in batch):
+            pytest.fail(f"the batch was answered before the kill: {by_status(f.result() for f in batch if f.done())}")
+        os.kill(victim, signal.SIGKILL)
+        killed = time.monotonic()
+        during = [load.send(url, f"sent while the worker restarts {i}".encode(), timeout=300) for i in range(2)]
+
+        for shot in (f.result(timeout=130) for f in batch):
+            assert shot.answered, f"an in-flight request got no answer: {shot.error}"
+            assert shot.done_at - killed <= 15, f"answered {shot.done_at - killed:.1f}s after the kill"
+            body = shot.json()
+            assert shot.status >= 500 and isinstance(body, dict) and body.get("code") == shot.status, shot.body[:200]
+
+        ready = wait_until(lambda: [w for w in server.workers(torchserve.management, "minilm")
+                                    if w["status"] == "READY" and int(w["pid"]) != victim], 300,
+                           what="a new READY worker")
+        recovered = time.monotonic() - killed
+        new_pid = int(ready[0]["pid"])
+        warmed = warmups(torchserve.log())
+        assert new_pid in warmed, f"no 'tsbatch warmup done ... by worker pid {new_pid}' line in the model log"
+        for shot in (f.result(timeout=300) for f in during):  # queued in the frontend meanwhile: not lost
+            assert shot.status == 200 and int(shot.headers[WORKER_HEADER]) == new_pid, (shot.status, shot.body[:200])
+        after = asyncio.run(shoot(url, b"after recovery", timeout=30))
+        assert after.status == 200 and int(after.headers[WORKER_HEADER]) == new_pid
+        print(f"\nworker {victim} killed; {len(batch)} in-flight requests answered "
+              f"{by_status(f.result() for f in batch)}; worker {new_pid} READY after {recovered:.1f}s "
+              f"(warmup {warmed[new_pid]:.1f}s)")
+    finally:
+        load.close(5)
+        scale(torchserve.management, "minilm", TEST_FRONTEND["minWorkers"], TEST_FRONTEND["maxWorkers"])
+
+
+HANG_BOUND = 10.0
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="TorchServe 0.12 async mode: a dead worker's in-flight jobs are never answered "
+                          "(AsyncWorkerThread sends 'Worker died.' only for req, which is null after the flush)")
+def test_an_async_worker_killed_mid_batch_answers_its_clients(torchserve):
+    url = f"{torchserve.inference}/predictions/minilm_async"
+    load = Load()
+    try:
+        victim = one_worker(torchserve.management, "minilm_async")
+        in_flight = [load.send(url, huge(i), timeout=HANG_BOUND) for i in range(4)]
+        wait_busy([victim], cpu=0.5, timeout=60)
+        if any(f.done() for f in in_flight):
+            pytest.fail("the requests were answered before the kill")
+        os.kill(victim, signal.SIGKILL)
+        shots = [f.result(timeout=HANG_BOUND + 10) for f in in_flight]
+        hung = [s for s in shots if not s.answered]
+        assert not hung, f"{len(hung)} of {len(shots)} in-flight requests got no answer within {HANG_BOUND:.0f}s"
+    finally:
+        load.close(1)
+        restore_workers(torchserve.management, "minilm_async", ASYNC_FRONTEND["minWorkers"], 300)
+
+
+# -- a bad archive: the worker never serves, the model log says why --------------------------------
+
+def test_an_archive_with_a_bad_handler_section_never_serves_and_logs_the_field(tmp_path, tiny_models):
+    store = str(tmp_path / "store")
+    handler = {"task": "sequence_classification", "buckets": [64, 32], "warmup": False}
+    build_archive(ArchiveSpec(tiny_models["sequence_classification"], "bad", model_config(
+        handler, {"minWorkers": 1, "maxWorkers": 1, "asyncCommunication": False, "batchSize": 1}), store))
+    ports = free_ports(5)
+    settings = ServerSettings(store, ("bad.mar",), inference_port=ports[0], management_port=ports[1],
+                              metrics_port=ports[2], grpc_inference_port=ports[3], grpc_management_port=ports[4])
+    props = str(tmp_path / "config.properties")
+    with open(props, "w") as f:
+        f.write(render_properties(settings))
+    paths = server.ServerPaths(str(tmp_path / "tmp"), str(tmp_path / "logs"))
+    log = os.path.join(paths.logs, "model_log.log")
+    message = "ConfigError: handler.buckets must be strictly increasing, got [64, 32]"
+    server.start(props, store, paths)
+    try:
+        wait_until(lambda: message in open(log, errors="replace").read(), 120, every=0.5,
+                   what=f"{message!r} in the model log")
+        lines = [line for line in open(log, errors="replace") if "handler.buckets" in line and "ConfigError" in line]
+        assert lines and all(line.rstrip().endswith(message) for line in lines), lines  # one whole line per load
+        statuses = [w.get("status") for w in server.workers(f"http://127.0.0.1:{ports[1]}", "bad")]
+        assert "READY" not in statuses, statuses
+        assert not re.search(r"tsbatch loaded", open(log, errors="replace").read())
+    finally:
+        server.stop(paths)
