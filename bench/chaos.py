@@ -29,7 +29,6 @@ import math
 import os
 import re
 import signal
-import socket
 import sys
 import tempfile
 import threading
@@ -497,17 +496,6 @@ def restore_workers(management: str, model: str, workers: int, timeout: float) -
 
 # -- the run -----------------------------------------------------------------------------------
 
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
 def _round(value: float | None, digits: int = 3) -> float | None:
     return None if value is None else round(value, digits)
 
@@ -542,7 +530,7 @@ def run(args) -> dict:
         store = os.path.join(root, "store")
         for name, (handler, frontend) in MODELS.items():
             build_archive(ArchiveSpec(str(MODEL_DIR), name, model_config(handler, frontend), store))
-        ports = free_ports(5)
+        ports = server.free_ports(5)
         settings = ServerSettings(store, tuple(f"{n}.mar" for n in MODELS), inference_port=ports[0],
                                   management_port=ports[1], metrics_port=ports[2], grpc_inference_port=ports[3],
                                   grpc_management_port=ports[4], metrics_config=install_metrics_config(store))
