@@ -21,7 +21,8 @@ import requests
 from archiver import server
 from archiver.package import ArchiveSpec, build_archive
 from archiver.properties import ServerSettings, model_config, render_properties
-from bench.chaos import (Load, MemorySampler, answer_problems, burst, by_status, free_ports, measure_capacity,
+from archiver.server import free_ports
+from bench.chaos import (Load, MemorySampler, answer_problems, burst, by_status, measure_capacity,
                          open_loop, percentile, restore_workers, shoot, wait_busy, wait_until, warmups, worker_pids)
 from handlers.encoder_handler import WORKER_HEADER
 from tests.e2e.conftest import ASYNC_FRONTEND, TEST_FRONTEND
