@@ -482,16 +482,62 @@ def kill_drill(inference: str, management: str, model: str, log_path: str, bodie
     return result
 
 
-def restore_workers(management: str, model: str, workers: int, timeout: float) -> None:
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def restore_workers(management: str, model: str, workers: int, timeout: float) -> list[int]:
     """Scale to 0 and back: TorchServe 0.12's async worker thread never reports READY again after
-    a crash (its loadingFinished flag survives the restart); a fresh thread does."""
+    a crash (its loadingFinished flag survives the restart); a fresh thread does. Returns the pids
+    of old workers still running 10 s after the scale-down: TorchServe 0.12 does not stop a
+    restarted async worker (killing it only makes its thread start another), and the process
+    outlives `torchserve --stop`; reap_workers() ends them once the server is stopped."""
+    stale = worker_pids(management, model)
+    left: list[int] = []
     for count in (0, workers):
         request = urllib.request.Request(
             f"{management}/models/{model}?min_worker={count}&max_worker={max(count, 1)}&synchronous=true",
             method="PUT")
         with urllib.request.urlopen(request, timeout=timeout):
             pass
+        if count == 0:
+            try:
+                wait_until(lambda: not any(alive(pid) for pid in stale), 10, what="scaled-down workers gone")
+            except TimeoutError:
+                left = [pid for pid in stale if alive(pid)]
     server.wait_ready(management, model, timeout)
+    return left
+
+
+def worker_processes(tmpdir: str) -> list[int]:
+    """Live Python workers of the torchserve whose TMPDIR is `tmpdir` (their sockets live there)."""
+    marker = os.path.join(tmpdir, ".ts.sock.")
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().decode("utf-8", "replace")
+        except OSError:
+            continue
+        if "model_service_worker.py" in cmdline and marker in cmdline and alive(int(entry)):
+            found.append(int(entry))
+    return found
+
+
+def reap_workers(tmpdir: str) -> list[int]:
+    """After `torchserve --stop`: kill, by pid, the workers of that server still running (see
+    restore_workers); returns their pids."""
+    pids = worker_processes(tmpdir)
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    return pids
 
 
 # -- the run -----------------------------------------------------------------------------------
@@ -564,13 +610,15 @@ def run(args) -> dict:
                                    ts_log_path=os.path.join(paths.logs, "ts_log.log"))
                 if drill.get("ready_in_management_s") is None:
                     began = time.monotonic()  # the operator's way out: scale to 0 and back
-                    restore_workers(management, name, 1, args.ready_timeout)
+                    left = restore_workers(management, name, 1, args.ready_timeout)
                     after = asyncio.run(shoot(f"{inference}/predictions/{name}", b"after scaling 0 -> 1", timeout=60))
-                    drill["restored_by_scaling"] = {"seconds": round(time.monotonic() - began, 1), "then": after.status}
+                    drill["restored_by_scaling"] = {"seconds": round(time.monotonic() - began, 1), "then": after.status,
+                                                    "old_workers_still_running": len(left)}
                 print("kill", json.dumps(drill), flush=True)
                 report["kill"][name] = drill
         finally:
             server.stop(paths)
+            report["workers_left_after_stop"] = reap_workers(paths.tmpdir)
     report["machine_end"] = machine()
     return report
 

@@ -23,7 +23,8 @@ from archiver.package import ArchiveSpec, build_archive
 from archiver.properties import ServerSettings, model_config, render_properties
 from archiver.server import free_ports
 from bench.chaos import (Load, MemorySampler, answer_problems, burst, by_status, measure_capacity,
-                         open_loop, percentile, restore_workers, shoot, wait_busy, wait_until, warmups, worker_pids)
+                         open_loop, percentile, reap_workers, restore_workers, shoot, wait_busy, wait_until,
+                         warmups, worker_pids)
 from handlers.encoder_handler import WORKER_HEADER
 from tests.e2e.conftest import ASYNC_FRONTEND, TEST_FRONTEND
 
@@ -163,7 +164,7 @@ HANG_BOUND = 10.0
 @pytest.mark.xfail(strict=True, raises=AssertionError,
                    reason="TorchServe 0.12 async mode: a dead worker's in-flight jobs are never answered "
                           "(AsyncWorkerThread sends 'Worker died.' only for req, which is null after the flush)")
-def test_an_async_worker_killed_mid_batch_answers_its_clients(torchserve):
+def test_an_async_worker_killed_mid_batch_answers_its_clients(torchserve, request):
     url = f"{torchserve.inference}/predictions/minilm_async"
     load = Load()
     try:
@@ -179,6 +180,9 @@ def test_an_async_worker_killed_mid_batch_answers_its_clients(torchserve):
     finally:
         load.close(1)
         restore_workers(torchserve.management, "minilm_async", ASYNC_FRONTEND["minWorkers"], 300)
+        # the restarted worker's process outlives the scale-down and `torchserve --stop`: end it
+        # once the session's server is stopped (config cleanup runs after session teardown)
+        request.config.add_cleanup(lambda: reap_workers(torchserve.paths.tmpdir))
 
 
 # -- a bad archive: the worker never serves, the model log says why --------------------------------
