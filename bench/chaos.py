@@ -713,7 +713,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out-dir", default=os.path.join(REPO, "bench", "results"))
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops the torchserve
+    server.stop_on_sigterm()  # so `finally` stops the torchserve
     args.argv = argv
     args.drills = {d.strip() for d in args.drills.split(",") if d.strip()}
     report = run(args)
