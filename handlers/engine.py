@@ -4,6 +4,10 @@ TorchServe's async mode awaits one `handle` coroutine per frontend message; each
 a Ticket whose future is resolved as soon as its own batch finishes. Model passes run on lane
 threads, never on the event loop. With two lanes, short buckets and long buckets run on separate
 threads that share the cores, so a short request never waits for a long pass to end.
+
+Deadlines are kept twice: a ticket whose pass could not end before its deadline (`pass_seconds`,
+from the latency profile) gets 504 instead of running, and a result that is ready only after the
+deadline is replaced by 504 as well, so no accepted request is ever answered late.
 """
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-from handlers.errors import DeadlineExceeded, ModelFailed
+from handlers.errors import DeadlineExceeded, ModelFailed, ServingError
 from handlers.isolate import Isolator
 from handlers.scheduler import Scheduler, Ticket
 
@@ -34,8 +38,10 @@ class Engine:
     def __init__(self, scheduler: Scheduler, isolator: Isolator, lanes: Sequence[tuple[int, ...]],
                  deliver: Callable[[Ticket, Any, int], None], clock: Callable[[], float] = time.monotonic,
                  on_batch: Callable[..., None] | None = None,
-                 on_lane_start: Callable[[int], None] | None = None):
+                 on_lane_start: Callable[[int], None] | None = None,
+                 pass_seconds: Callable[[int], float] | None = None):
         self.scheduler = scheduler
+        self.pass_seconds = pass_seconds or (lambda bucket: 0.0)
         self.isolator = isolator
         self.deliver = deliver
         self.clock = clock
@@ -70,14 +76,15 @@ class Engine:
     def _step(self, buckets: tuple[int, ...]) -> None:
         with self.cond:
             now = self.clock()
-            expired = self.scheduler.expire(now)
+            expired = self.scheduler.expire(now, self.pass_seconds)
             picked = self.scheduler.next_batch(now, buckets)
             if picked is None and not expired:
-                self.cond.wait(timeout=self.scheduler.time_until_ready(now, buckets))
+                self.cond.wait(timeout=self.scheduler.time_until_ready(now, buckets, self.pass_seconds))
                 return
         for ticket in expired:
             self.deliver(ticket, DeadlineExceeded(
-                "deadline passed before this request could run: raise X-Deadline-Ms or retry"), 0)
+                "this request could not finish before its deadline (the worker is saturated): "
+                "raise X-Deadline-Ms or retry"), 0)
         if picked is None:
             return
         batch, tickets = picked
@@ -88,5 +95,9 @@ class Engine:
             outcomes, report = [ModelFailed(f"internal error: {error}")] * len(tickets), None
         finished = self.clock()
         for ticket, outcome in zip(tickets, outcomes):
+            if ticket.deadline is not None and finished > ticket.deadline and not isinstance(outcome, ServingError):
+                outcome = DeadlineExceeded(
+                    "the answer was ready only after this request's deadline (the worker is saturated): "
+                    "raise X-Deadline-Ms or retry")
             self.deliver(ticket, outcome, len(tickets))
         self.on_batch(batch, tickets, report, started, finished)  # after answering: metrics never delay them

@@ -3,8 +3,9 @@
 A batch leaves a bucket when its token budget is full or its oldest request has waited the
 bucket's maximum wait. Among ready buckets: higher priority first (a request gains one class per
 `priority_aging` seconds waited, so low never starves), then the shortest bucket — unless some
-bucket's oldest request has waited `age_bound`, which then goes first. Requests past their
-deadline leave through `expire` and are answered 504 instead of late.
+bucket's oldest request has waited `age_bound`, which then goes first. Requests that could no
+longer finish by their deadline (now plus the time their own pass takes) leave through `expire`
+and are answered 504 at once instead of late.
 
 Pure: no torch, no threads; time comes from the caller (`now`), so tests use a fake clock.
 """
@@ -86,13 +87,15 @@ class Scheduler:
             )
         self.queues[ticket.item.bucket].append(ticket)
 
-    def expire(self, now: float) -> list[Ticket]:
-        """Remove and return every ticket whose deadline has passed."""
+    def expire(self, now: float, lead: Callable[[int], float] | None = None) -> list[Ticket]:
+        """Remove and return every ticket that cannot finish by its deadline: `lead(bucket)` is
+        the time a pass of that bucket takes (0 by default: only deadlines already passed)."""
         expired = []
         for bucket, queue in self.queues.items():
             keep = []
+            finish = now + (lead(bucket) if lead else 0.0)
             for ticket in queue:
-                (expired if ticket.deadline is not None and now >= ticket.deadline else keep).append(ticket)
+                (expired if ticket.deadline is not None and finish >= ticket.deadline else keep).append(ticket)
             self.queues[bucket] = keep
         return expired
 
@@ -126,9 +129,10 @@ class Scheduler:
         # starving buckets first (oldest first), then by priority class, then shortest bucket
         return (0, oldest, 0.0, 0) if starving else (1, 0.0, best, bucket)
 
-    def time_until_ready(self, now: float, buckets: Sequence[int] | None = None) -> float | None:
-        """Seconds until some bucket in `buckets` becomes ready by age, or any ticket's deadline
-        passes (in any bucket: an idle lane expires tickets a busy lane cannot get to)."""
+    def time_until_ready(self, now: float, buckets: Sequence[int] | None = None,
+                         lead: Callable[[int], float] | None = None) -> float | None:
+        """Seconds until some bucket in `buckets` becomes ready by age, or any ticket must expire
+        (deadline minus `lead`, in any bucket: an idle lane expires tickets a busy lane cannot get to)."""
         allowed = self.policy.edges if buckets is None else tuple(buckets)
         waits = []
         for bucket, queue in self.queues.items():
@@ -137,5 +141,6 @@ class Scheduler:
             if bucket in allowed:
                 oldest = min(t.arrived for t in queue)
                 waits.append(oldest + self.policy.wait_for(bucket) - now)
-            waits.extend(t.deadline - now for t in queue if t.deadline is not None)
+            ahead = lead(bucket) if lead else 0.0
+            waits.extend(t.deadline - ahead - now for t in queue if t.deadline is not None)
         return max(0.0, min(waits)) if waits else None

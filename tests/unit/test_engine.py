@@ -240,6 +240,47 @@ def test_a_ticket_whose_deadline_passes_while_waiting_gets_504_on_time(make_engi
     assert isolator.calls == []
 
 
+def test_a_ticket_whose_pass_would_end_after_its_deadline_gets_504_without_running(make_engine):
+    engine, isolator, deliveries = make_engine(max_wait=0.0)
+    engine.pass_seconds = lambda bucket: {256: 0.5}.get(bucket, 0.0)  # a 256-token pass: 0.5 s by the profile
+    doomed = ticket(256, deadline_in=0.3)  # could not finish in time: answer now, spend nothing
+    engine.submit([doomed])
+    outcome, size = deliveries.wait_ticket(doomed)
+    assert isinstance(outcome, DeadlineExceeded) and size == 0
+    assert isolator.calls == []
+
+    engine.pass_seconds = lambda bucket: 0.5
+    fits = ticket(256, deadline_in=5.0)
+    engine.submit([fits])
+    assert deliveries.wait_ticket(fits) == ({"text": fits.item.text}, 1)
+
+
+def test_a_result_ready_after_the_deadline_is_answered_504_not_late(make_engine):
+    isolator = FakeIsolator(block=(64,))
+    engine, isolator, deliveries = make_engine(isolator, max_wait=0.0)
+    slow = [ticket(64, deadline_in=0.2) for _ in range(4)]  # cap 4: one pass that outlives the deadline
+    engine.submit(slow)
+    assert isolator.entered.wait(WAIT)
+    time.sleep(0.3)
+    isolator.release.set()
+    assert deliveries.wait_count(4)
+    assert all(isinstance(deliveries.of(t)[0], DeadlineExceeded) for t in slow)
+    assert [b.size for b in isolator.calls] == [4]  # it did run: the late guard, not the early one
+
+
+def test_an_error_outcome_keeps_its_own_status_even_after_the_deadline(make_engine):
+    class Failing(FakeIsolator):
+        def execute(self, batch):
+            time.sleep(0.2)
+            return [ModelFailed("boom")] * batch.size, None
+
+    engine, isolator, deliveries = make_engine(Failing(), max_wait=0.0)
+    t = ticket(256, deadline_in=0.1)
+    engine.submit([t])
+    outcome, _ = deliveries.wait_ticket(t)
+    assert isinstance(outcome, ModelFailed)
+
+
 # -- queue cap -----------------------------------------------------------------------------------
 
 def test_overloaded_propagates_from_submit_when_the_queue_is_full(make_engine):

@@ -369,6 +369,28 @@ def test_expire_removes_and_returns_exactly_the_tickets_past_their_deadline():
     assert ids(all_queued(s)) == ids([never])
 
 
+def test_expire_with_a_lead_removes_tickets_that_could_not_finish_in_time():
+    s = Scheduler(policy())
+    tight_short = ticket(16, deadline=1.05)  # a 16-token pass takes 0.1 s: 1.0 + 0.1 > 1.05
+    fine_short = ticket(16, deadline=1.2)
+    tight_long = ticket(256, deadline=1.4)  # a 256-token pass takes 0.5 s: 1.0 + 0.5 > 1.4
+    fine_long = ticket(256, deadline=1.6)
+    for t in (tight_short, fine_short, tight_long, fine_long):
+        s.submit(t)
+    lead = {16: 0.1, 256: 0.5}.get
+
+    expired = s.expire(1.0, lambda bucket: lead(bucket, 0.0))
+    assert sorted(ids(expired)) == sorted(ids([tight_short, tight_long]))
+    assert sorted(ids(all_queued(s))) == sorted(ids([fine_short, fine_long]))
+
+
+def test_time_until_ready_wakes_a_lane_when_a_ticket_must_expire_not_at_its_deadline():
+    s = Scheduler(policy(max_wait=5.0))
+    s.submit(ticket(64, arrived=0.0, deadline=1.0))
+    assert s.time_until_ready(0.0) == pytest.approx(1.0)
+    assert s.time_until_ready(0.0, lead=lambda bucket: 0.3) == pytest.approx(0.7)
+
+
 def test_expired_tickets_never_reach_a_batch():
     s = Scheduler(policy(max_wait=0.0))
     gone = ticket(64, deadline=1.0)
