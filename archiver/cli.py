@@ -52,6 +52,13 @@ def _tune_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpus", type=int, help="GPUs of the machine that will serve (default: the profile's)")
 
 
+def _mode_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--mode", choices=("continuous", "async"), default="continuous",
+                        help="how requests reach tsbatch's scheduler: TorchServe's continuousBatching (default; a "
+                             "worker that dies is restarted) or asyncCommunication (TorchServe 0.12 never replaces "
+                             "an async worker that dies)")
+
+
 def _profile_choice(parser: argparse.ArgumentParser) -> None:
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--profile", metavar="JSON",
@@ -92,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(archive)
     _device_arg(archive)
     archive.add_argument("--out", default="model_store", help="model store directory (default: model_store)")
+    _mode_arg(archive)
     _tune_args(archive)
     _profile_choice(archive)
     _frontend_args(archive)
@@ -100,12 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
         "profile",
         help="load the model in the handler here, warm every shape and write its latency profile",
         description="Load the handler in this process exactly as a TorchServe worker would (model-config.yaml "
-        "with asyncCommunication, this machine's torch threads per worker), run its warmup (every batch size "
+        "with --mode's lanes, this machine's torch threads per worker), run its warmup (every batch size "
         "x length bucket it can form) and write the timings as a latency profile JSON for `tsbatch tune` or "
         "`tsbatch archive --profile`. Run it on the machine that will serve. Shows each shape as it goes.",
     )
     _model_args(profile)
     _device_arg(profile)
+    _mode_arg(profile)
     profile.add_argument("--out", default=PROFILE_FILE, help=f"where to write the profile (default: {PROFILE_FILE})")
     tune = sub.add_parser(
         "tune",
@@ -117,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--profile", required=True, metavar="JSON", help="latency profile from `tsbatch profile`")
     _model_args(tune, task_default=None, model_dir=False)
     tune.add_argument("--out", default="tuned", help="folder for model-config.yaml and config.properties (default: tuned)")
+    _mode_arg(tune)
     _tune_args(tune)
     _server_args(tune)
     export = sub.add_parser(
@@ -180,7 +190,8 @@ def _request(args, task: str | None = None, need_model: bool = True) -> pipeline
                                                 ("maxBatchDelay", getattr(args, "max_batch_delay", None)),
                                                 ("minWorkers", getattr(args, "workers", None))) if value is not None}
     return pipeline.Request(model_dir or "", args.name, section, getattr(args, "target_ms", DEFAULT_TARGET_MS),
-                            getattr(args, "cores", None), getattr(args, "gpus", None), overrides)
+                            getattr(args, "cores", None), getattr(args, "gpus", None), overrides,
+                            getattr(args, "mode", "continuous"))
 
 
 def _settings(args) -> dict:
@@ -189,7 +200,7 @@ def _settings(args) -> dict:
 
 
 def _show_tuning(tuning) -> None:
-    mode = "async mode" if tuning.async_mode else "default batching, batchSize 1"
+    mode = {"continuous": "continuous mode", "async": "async mode"}.get(tuning.mode, "default batching, batchSize 1")
     say(f"tuned for p99 <= {tuning.target_ms:g} ms on {tuning.machine.cores} cores, {tuning.machine.gpus} GPU(s) ({mode})")
     print("  bucket  lane  batch  median ms  p90 ms   req/s  predicted p99 ms")
     for plan in tuning.buckets:

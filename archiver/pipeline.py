@@ -41,6 +41,14 @@ class Request:
     cores: int | None = None  # the target machine's, when not this one's
     gpus: int | None = None
     overrides: Mapping[str, Any] = field(default_factory=dict)  # frontend keys from the command line
+    mode: str = "continuous"  # how requests reach tsbatch's scheduler: "continuous" or "async"
+
+
+# model-config.yaml keys of each mode, for builds that skip tuning (tuned builds get them from tune)
+MODE_KEYS = {
+    "continuous": {"continuousBatching": True, "asyncCommunication": False},
+    "async": {"asyncCommunication": True, "continuousBatching": False, "batchSize": 1, "maxBatchDelay": 1},
+}
 
 
 @dataclass(frozen=True)
@@ -84,7 +92,7 @@ def this_machine() -> Machine:
     return Machine(available_cores(), gpu_count())
 
 
-def profile_here(model_dir: str, name: str, section: Mapping[str, Any], async_mode: bool = True,
+def profile_here(model_dir: str, name: str, section: Mapping[str, Any], mode: str = "continuous",
                  progress: Progress = lambda _: None) -> LatencyProfile:
     """Load and warm the handler in this process with the threads tune will give each worker here."""
     check_model_dir(model_dir)  # missing files fail here, before torch loads
@@ -99,7 +107,8 @@ def profile_here(model_dir: str, name: str, section: Mapping[str, Any], async_mo
         handler["torch_threads"] = plan_workers(machine, use_gpu)[1].value
     progress(f"profiling {model_dir} on {machine.cores} cores, {machine.gpus} GPU(s), "
              f"{handler['torch_threads']} torch threads per worker")
-    yaml_config = {"handler": handler, "asyncCommunication": async_mode, "startupTimeout": PROFILE_STARTUP_TIMEOUT}
+    yaml_config = {"handler": handler, "startupTimeout": PROFILE_STARTUP_TIMEOUT,  # the mode decides the lanes' threads
+                   "continuousBatching": mode == "continuous", "asyncCommunication": mode == "async"}
     return profile_model(model_dir, name, yaml_config, progress)
 
 
@@ -119,10 +128,10 @@ def machine_for(profile: LatencyProfile, cores: int | None, gpus: int | None) ->
     return Machine(cores, gpus), source
 
 
-def tune_for(request: Request, profile: LatencyProfile, async_mode: bool = True) -> tuple[Tuning, str]:
+def tune_for(request: Request, profile: LatencyProfile, mode: str | None = None) -> tuple[Tuning, str]:
     machine, source = machine_for(profile, request.cores, request.gpus)
     config = HandlerConfig.from_yaml(request.section)
-    tuning = tune(profile, request.target_ms, machine, config, async_mode, fixed=request.section.keys())
+    tuning = tune(profile, request.target_ms, machine, config, mode or request.mode, fixed=request.section.keys())
     return tuning, source
 
 
@@ -159,11 +168,11 @@ def _profile_file(profile: LatencyProfile, directory: str, name: str) -> str:
     return path
 
 
-def _obtain_profile(request: Request, profile_path: str | None, async_mode: bool, progress: Progress) -> LatencyProfile:
+def _obtain_profile(request: Request, profile_path: str | None, progress: Progress) -> LatencyProfile:
     if profile_path:
         check_model_dir(request.model_dir)
         return load_profile(profile_path)
-    return profile_here(request.model_dir, request.name, request.section, async_mode, progress)
+    return profile_here(request.model_dir, request.name, request.section, request.mode, progress)
 
 
 def archive(request: Request, out: str, settings: Mapping[str, Any], profile_path: str | None = None,
@@ -171,13 +180,13 @@ def archive(request: Request, out: str, settings: Mapping[str, Any], profile_pat
     """model_store/NAME.mar and model_store/config.properties, tuned unless no_tune."""
     properties = os.path.join(out, "config.properties")
     if no_tune:
-        config = model_config(request.section, request.overrides)
+        config = model_config(request.section, {**MODE_KEYS[request.mode], **request.overrides})
         mar = build_archive(ArchiveSpec(request.model_dir, request.name, config, out), progress)
         _write(properties, render_properties(ServerSettings(model_store=out, load_models=(f"{request.name}.mar",),
                                                             metrics_config=install_metrics_config(out), **settings)))
         return Built(properties, config, mar)
-    profile = _obtain_profile(request, profile_path, True, progress)
-    tuning, source = tune_for(request, profile, async_mode=True)
+    profile = _obtain_profile(request, profile_path, progress)
+    tuning, source = tune_for(request, profile)
     config, text = tuned_config(request, tuning, profile, source)
     kept = _profile_file(profile, out, request.name)
     spec = ArchiveSpec(request.model_dir, request.name, config, out, extra_files={PROFILE_FILE: kept}, config_text=text)
@@ -199,7 +208,7 @@ def export_kserve(request: Request, out: str, storage_uri: str | None = None, pr
     store = os.path.dirname(paths.mar)
     kserve.check_store(paths)  # before spending a build on it
     # KServe's envelope calls handle() synchronously and answers one frontend request per batch
-    mode = {"asyncCommunication": False, "batchSize": 1, "maxBatchDelay": 1}
+    mode = {"asyncCommunication": False, "continuousBatching": False, "batchSize": 1, "maxBatchDelay": 1}
     if no_tune:
         config = model_config(request.section, {**mode, **request.overrides})
         mar = build_archive(ArchiveSpec(request.model_dir, request.name, config, store), progress)
@@ -207,8 +216,8 @@ def export_kserve(request: Request, out: str, storage_uri: str | None = None, pr
         resources = kserve.resources_for(config.get("minWorkers", 1), 1, 0, None, tuned=False)
         tuning = None
     else:
-        profile = _obtain_profile(request, profile_path, True, progress)
-        tuning, source = tune_for(request, profile, async_mode=False)
+        profile = _obtain_profile(request, profile_path, progress)
+        tuning, source = tune_for(request, profile, mode="kserve")
         config, text = tuned_config(request, tuning, profile, source)
         profile_file = _profile_file(profile, out, request.name)
         spec = ArchiveSpec(request.model_dir, request.name, config, store,
@@ -227,7 +236,7 @@ def export_kserve(request: Request, out: str, storage_uri: str | None = None, pr
 
 def profile_to(request: Request, path: str, progress: Progress = lambda _: None) -> LatencyProfile:
     """`tsbatch profile`: take the profile here and write it to path."""
-    profile = profile_here(request.model_dir, request.name, request.section, True, progress)
+    profile = profile_here(request.model_dir, request.name, request.section, request.mode, progress)
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     profile.save(path)
@@ -237,7 +246,7 @@ def profile_to(request: Request, path: str, progress: Progress = lambda _: None)
 def tune_to(request: Request, profile_path: str, out: str, settings: Mapping[str, Any]) -> Built:
     """`tsbatch tune`: write OUT/model-config.yaml and OUT/config.properties from a profile."""
     profile = load_profile(profile_path)
-    tuning, source = tune_for(request, profile, async_mode=True)
+    tuning, source = tune_for(request, profile)
     config, text = tuned_config(request, tuning, profile, source)
     os.makedirs(out, exist_ok=True)
     config_path = os.path.join(out, "model-config.yaml")

@@ -6,7 +6,8 @@ threads than cores. From measured times: startupTimeout, responseTimeout, jobQue
 batching mode. The reasons end up as comments next to each value in model-config.yaml and
 config.properties, so an operator can see why a number is what it is.
 
-The predicted p99 of a request in bucket b (async mode, lanes of handlers/engine.split_lanes):
+The predicted p99 of a request in bucket b (the scheduler modes, continuous or async, with the
+lanes of handlers/engine.split_lanes):
 
     max_wait_ms + max(p90(cap(b'), b') for b' in lane(b)) + p90(cap(b), b)
 
@@ -18,7 +19,7 @@ bucket takes, independently, its fastest size (requests/s) among those within th
 budget. Timings are first made monotone in work (see `monotone`), so one noisy measurement does
 not decide a cap. A queue longer than one pass (offered load past capacity) is outside the model: that is
 what bench/tune_bench.py measures. In TorchServe's default batching mode with batchSize 1 (the
-KServe export) there is one lane and no max_wait.
+KServe export, mode "kserve") there is one lane and no max_wait.
 
 Pure: no torch, no clock, no files.
 """
@@ -41,6 +42,8 @@ RESPONSE_MARGIN = 2.0
 ASSUMED_LOAD_SECONDS = 30.0  # when the profile does not say how long the model took to load
 MIN_JOB_QUEUE = 100  # TorchServe's default job_queue_size
 MAX_WAIT_SHARE = 0.1  # max_wait_ms never takes more than this share of the target
+INTAKE_ROOM = 32  # continuous mode: requests a full worker still takes in (to answer 503 itself)
+MODES = ("continuous", "async", "kserve")
 
 
 class TuneError(Exception):
@@ -84,7 +87,7 @@ class Tuning:
 
     target_ms: float
     machine: Machine
-    async_mode: bool
+    mode: str  # one of MODES
     frontend: dict[str, Choice]
     handler: dict[str, Choice]
     properties: dict[str, Choice]
@@ -270,10 +273,13 @@ def _infeasible(target_ms: float, wait_ms: float, timing: ShapeTiming, budget_ms
 # -- everything together ----------------------------------------------------------------------
 
 def tune(profile: LatencyProfile, target_ms: float, machine: Machine, config: HandlerConfig,
-         async_mode: bool = True, fixed: Iterable[str] = ()) -> Tuning:
+         mode: str = "continuous", fixed: Iterable[str] = ()) -> Tuning:
     """All tuned values for this profile, target and machine; TuneError when the target is out of reach.
     `fixed` names the handler keys the user's configuration set: those keep the user's value."""
     fixed = set(fixed)
+    if mode not in MODES:
+        raise TuneError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    scheduler = mode != "kserve"  # tsbatch's scheduler and lanes form the batches
     if "batch_caps" in fixed:
         raise TuneError("handler.batch_caps is what tune chooses: remove it from the handler configuration, "
                         "or build with --no-tune to keep your own")
@@ -286,9 +292,9 @@ def tune(profile: LatencyProfile, target_ms: float, machine: Machine, config: Ha
     edges = _edges(profile, config)
     use_gpu = str(profile.environment.get("device", "cpu")).startswith("cuda")
     workers, threads = plan_workers(machine, use_gpu, config.torch_threads if "torch_threads" in fixed else None)
-    lanes = split_lanes(edges, config.long_lane_from) if async_mode else [edges]
+    lanes = split_lanes(edges, config.long_lane_from) if scheduler else [edges]
     wait = None
-    if async_mode:
+    if scheduler:
         wait = (Choice(config.max_wait_ms, "set in the handler configuration") if "max_wait_ms" in fixed
                 else choose_max_wait(profile, edges, target_ms))
     wait_ms = wait.value if wait else 0
@@ -319,7 +325,7 @@ def tune(profile: LatencyProfile, target_ms: float, machine: Machine, config: Ha
         handler["max_wait_ms"] = wait
 
     worst = max(plans, key=lambda p: p.p90_ms)
-    frontend = _mode(async_mode)
+    frontend = _mode(mode, config)
     frontend["minWorkers"] = workers
     frontend["maxWorkers"] = Choice(workers.value, "as many as minWorkers: more would oversubscribe the cores "
                                                    "(scale explicitly with PUT /models/NAME if you add hardware)")
@@ -340,19 +346,34 @@ def tune(profile: LatencyProfile, target_ms: float, machine: Machine, config: Ha
                                 "GPUs TorchServe may hand to workers: " + ("one per worker" if use_gpu
                                                                            else "none, the model serves on CPU")),
     }
-    return Tuning(target_ms, machine, async_mode, frontend, handler, properties, plans)
+    return Tuning(target_ms, machine, mode, frontend, handler, properties, plans)
 
 
-def _mode(async_mode: bool) -> dict[str, Choice]:
-    if async_mode:
+def _mode(mode: str, config: HandlerConfig) -> dict[str, Choice]:
+    if mode == "continuous":
         return {
-            "asyncCommunication": Choice(True, "tsbatch's scheduler batches by length bucket in the worker; measured "
-                                               "(bench/results/bench.md, 2 cores) short-request p99 68 ms against 268 ms "
-                                               "for the frontend's first-come batching at 70% load"),
+            "continuousBatching": Choice(True, "tsbatch's scheduler batches by length bucket in the worker and answers "
+                                               "each request when its own pass ends; unlike async mode, TorchServe 0.12 "
+                                               "restarts a worker that dies in this mode (see the README)"),
+            "asyncCommunication": Choice(False, "continuous mode instead: an async worker that dies is never replaced"),
+            "batchSize": Choice(config.queue_cap + INTAKE_ROOM,
+                                f"the requests one worker holds: handler.queue_cap ({config.queue_cap}) waiting plus "
+                                f"{INTAKE_ROOM} new ones per call, so past queue_cap tsbatch still sees new requests and "
+                                "answers them 503 with Retry-After"),
+            "maxBatchDelay": Choice(1, "how long the frontend waits for company for an idle worker's first request: "
+                                       "tsbatch batches, so 1 ms (0 would be replaced by 100)"),
+        }
+    if mode == "async":
+        return {
+            "asyncCommunication": Choice(True, "tsbatch's scheduler batches by length bucket in the worker; asked for "
+                                               "with --mode async (TorchServe 0.12 does not replace an async worker "
+                                               "that dies)"),
+            "continuousBatching": Choice(False, "async mode instead"),
             "batchSize": Choice(1, "async mode: the frontend hands each request over at once and tsbatch batches"),
             "maxBatchDelay": Choice(1, "unused with batchSize 1 (0 would be replaced by 100)"),
         }
     return {
+        "continuousBatching": Choice(False, "TorchServe's KServe envelope answers one request per call"),
         "asyncCommunication": Choice(False, "TorchServe's KServe envelope (ts/torch_handler/request_envelope) "
                                             "calls handle() synchronously: async mode's coroutine would never run"),
         "batchSize": Choice(1, "the KServe envelope reads only the first request of a frontend batch: a larger "

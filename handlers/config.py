@@ -45,9 +45,10 @@ class HandlerConfig:
     device: str = "auto"
     torch_threads: int | None = None
     fault_injection: FaultInjection = field(default_factory=FaultInjection)
-    # async mode (asyncCommunication: true) only: tsbatch's own scheduler in each worker
+    # scheduler modes (continuousBatching or asyncCommunication): tsbatch's scheduler in each worker
     max_wait_ms: int = 2
-    queue_cap: int = 256
+    poll_ms: int = 5  # continuous mode: a call returns after this long even if nothing finished
+    queue_cap: int = 64
     age_bound_ms: int = 250
     priority_aging_ms: int = 1000
     deadline_ms: int = 30000
@@ -70,7 +71,7 @@ class HandlerConfig:
         unknown = sorted(map(str, set(section) - known))
         if unknown:
             raise ConfigError(
-                f"handler: unknown key(s) {unknown}; known keys are {sorted(known)}"
+                f"handler: unknown key(s) {unknown}; known keys are {', '.join(sorted(known))}"
             )
         if "task" not in section:
             raise ConfigError(
@@ -86,7 +87,7 @@ class HandlerConfig:
             values["max_length"] = _positive_int("max_length", section["max_length"])
         if section.get("buckets") is not None:
             values["buckets"] = _edges("buckets", section["buckets"])
-        for name in ("max_batch_tokens", "max_batch_size", "isolation_budget", "max_wait_ms", "queue_cap",
+        for name in ("max_batch_tokens", "max_batch_size", "isolation_budget", "max_wait_ms", "poll_ms", "queue_cap",
                      "age_bound_ms", "priority_aging_ms", "deadline_ms", "warmup_repeats",
                      "warmup_max_repeats"):
             if name in section:

@@ -5,10 +5,18 @@ TorchServe imports this file by its basename from the archive root, next to the 
 parse -> tokenize -> bucket -> plan batches -> execute (with isolation) -> answer.
 It never raises on input: every request gets a result or its own JSON error and status.
 
-Two modes, chosen by model-config.yaml:
+Three modes, chosen by model-config.yaml:
 - default TorchServe batching: the frontend's batch is split by bucket, shortest bucket first;
-- async mode (`asyncCommunication: true`): tsbatch's scheduler and lane threads in each worker
-  (handlers/scheduler.py, handlers/engine.py); each request is answered when its own batch ends.
+- scheduler modes: tsbatch's scheduler and lane threads in each worker (handlers/scheduler.py,
+  handlers/engine.py) form the batches, and each request is answered when its own batch ends.
+  They differ in how requests reach the worker:
+  - continuous (`continuousBatching: true`, the shipped default): the frontend calls `handle` again
+    and again with every request the worker holds plus new arrivals; each call returns as soon as
+    some request is done (or after `poll_ms`) and answers only the finished ones: the others stay
+    with the frontend and come back in the next call. A worker that dies fails its requests with
+    TorchServe's "Worker died." and is restarted and warmed like in default mode.
+  - async (`asyncCommunication: true`): one coroutine per request. TorchServe 0.12 cannot
+    restart an async worker that died (see the README), so it is opt-in.
 """
 from __future__ import annotations
 
@@ -16,6 +24,7 @@ import asyncio
 import json
 import logging
 import os
+import threading
 import time
 from http import HTTPStatus
 from typing import Any
@@ -49,6 +58,11 @@ class EncoderHandler:
         self.edges: tuple[int, ...] = ()
         self.isolator: Isolator | None = None
         self.engine = None
+        self.mode = "default"
+        # continuous mode: request id -> Ticket still running, request id -> (outcome, batch size) done
+        self.running: dict[str, Ticket] = {}
+        self.finished: dict[str, tuple[Any, int]] = {}
+        self.finished_cond = threading.Condition()
 
     def initialize(self, context) -> None:
         from handlers.runner import ModelRunner  # torch stays at the edge, loaded only here
@@ -69,20 +83,20 @@ class EncoderHandler:
             )
         self.metrics = Metrics(getattr(context, "metrics", None), context.model_name, self._gpu_sampler())
         self.isolator = Isolator(self._timed_run, self.config.isolation_budget, OomCaps())
-        async_mode = yaml_config.get("asyncCommunication") is True
-        lanes = self._lanes() if async_mode else None
+        self.mode = serving_mode(yaml_config)
+        lanes = self._lanes() if self.mode != "default" else None
         self.profile = None
         if self.config.warmup:
             self.profile = self._warm_up(context.model_name, model_dir, yaml_config, lanes)
             self.metrics.warmup(self.profile)
         self.runner.mark_ready()
-        if async_mode:
+        if lanes is not None:
             self.engine = self._start_engine(lanes)
         if self.config.fault_injection.enabled:
             logger.warning("fault injection is ON: %s", self.config.fault_injection)
         logger.info(
             "tsbatch loaded task=%s mode=%s buckets=%s max_batch_tokens=%d %s in %.1fs",
-            self.config.task.value, "async" if self.engine else "default", list(self.edges),
+            self.config.task.value, self.mode, list(self.edges),
             self.config.max_batch_tokens, self.runner.describe(), time.monotonic() - started,
         )
         self.initialized = True
@@ -120,7 +134,7 @@ class EncoderHandler:
         _resolve(ticket, outcome, batch_size)
 
     def _lanes(self) -> list[tuple[tuple[int, ...], int]]:
-        """Async mode's lanes (buckets each serves) and the intra-op threads each one gets."""
+        """The scheduler modes' lanes (buckets each serves) and the intra-op threads each one gets."""
         from handlers.engine import split_lanes
 
         lanes = split_lanes(self.edges, self.config.long_lane_from)
@@ -180,7 +194,14 @@ class EncoderHandler:
         logger.info("tsbatch async scheduler: lanes (buckets, threads) %s, policy %s", lanes, policy)
         return Engine(Scheduler(policy, self.cap_for), self.isolator, [lane for lane, _ in lanes],
                       deliver=self._deliver, on_batch=self._on_async_batch,
-                      on_lane_start=lambda i: self.runner.use_threads(lanes[i][1], background=i > 0))
+                      on_lane_start=lambda i: self.runner.use_threads(lanes[i][1], background=i > 0),
+                      pass_seconds=self._pass_seconds)
+
+    def _pass_seconds(self, bucket: int) -> float:
+        """How long a pass of this bucket takes at its cap (p90 from warmup's latency profile; 0
+        without one): a request that cannot finish by its deadline gets 504 before it runs."""
+        timing = self.profile.lookup(self.cap_for(bucket), bucket) if self.profile else None
+        return timing.p90_ms / 1000 if timing else 0.0
 
     def cap_for(self, bucket: int) -> int:
         """Largest batch of this bucket: the token budget, max_batch_size and the tuned
@@ -190,8 +211,10 @@ class EncoderHandler:
         return self.isolator.caps.cap(bucket, cap)
 
     def handle(self, data: list, context):
-        if self.engine is not None:
+        if self.mode == "async":
             return self._handle_async(data, context)  # TorchServe awaits the coroutine
+        if self.mode == "continuous":
+            return self._handle_continuous(data, context)
         outcomes: list[Any] = [None] * len(data)
         padded = [0] * len(data)
         try:
@@ -207,35 +230,87 @@ class EncoderHandler:
 
     async def _handle_async(self, data: list, context) -> list:
         """Async mode: never raises (one raise fails every request in flight on the worker)."""
+        arrived = time.monotonic()  # the deadline counts from here: parsing and tokenizing are inside it
         outcomes: list[Any] = [None] * len(data)
         sizes = [1] * len(data)
         padded = [0] * len(data)
         try:
             loop = asyncio.get_running_loop()
             items = self.tokenize(self.parse(data, context, outcomes), outcomes)
-            now = time.monotonic()
             waiting = []
             for item in items:
-                try:
-                    ticket = self._ticket(item, context, now, loop)
-                    self.engine.submit([ticket])
-                except ServingError as error:
-                    if isinstance(error, Overloaded):
-                        self.metrics.rejected("queue_full")
-                    outcomes[item.index] = error
-                    continue
-                waiting.append(ticket)
-            for ticket in waiting:
-                index = ticket.item.index
-                outcomes[index], sizes[index] = await ticket.payload[1]
-                padded[index] = ticket.item.bucket
+                future = loop.create_future()
+                if self._admit(item, context, arrived, _settle_on(loop, future), outcomes):
+                    waiting.append((item, future))
+            for item, future in waiting:
+                outcomes[item.index], sizes[item.index] = await future
+                padded[item.index] = item.bucket
         except Exception as error:  # noqa: BLE001
             outcomes = _fail_unanswered(outcomes, error)
         bodies = self.answer(outcomes, context, sizes, padded)
         _reply_async(bodies, outcomes, context)
         return [""] * len(data)
 
-    def _ticket(self, item: Item, context, now: float, loop) -> Ticket:
+    def _handle_continuous(self, data: list, context) -> list:
+        """Continuous mode: take in new requests, wait until one of this call's requests is done
+        (at most poll_ms), answer the finished ones and leave the rest to come back next call.
+
+        TorchServe replies for the indexes left in `context.request_ids`; an index taken out of it
+        gets no reply, so the frontend keeps that request and sends it again with the next call.
+        Never raises: a raise would fail every request the worker holds."""
+        arrived = time.monotonic()
+        ids = context.request_ids
+        outcomes: list[Any] = [None] * len(data)
+        sizes = [1] * len(data)
+        padded = [0] * len(data)
+        try:
+            new = [i for i in range(len(data)) if ids.get(i) not in self.running]
+            items = self.tokenize(self.parse(data, context, outcomes, new), outcomes)
+            mine = [ids.get(i) for i in range(len(data))]
+            with self.finished_cond:  # held while admitting, so no lane can finish a ticket not yet in `running`
+                for item in items:
+                    rid = ids[item.index]
+                    ticket = self._admit(item, context, arrived, lambda o, n, rid=rid: self._finish(rid, o, n), outcomes)
+                    if ticket is not None:
+                        self.running[rid] = ticket
+                if all(outcome is None for outcome in outcomes):
+                    self.finished_cond.wait_for(lambda: any(rid in self.finished for rid in mine),
+                                                timeout=self.config.poll_ms / 1000)
+                for index, rid in enumerate(mine):
+                    if rid in self.finished:
+                        outcomes[index], sizes[index] = self.finished.pop(rid)
+                        padded[index] = self.running.pop(rid).item.bucket
+        except Exception as error:  # noqa: BLE001
+            outcomes = _fail_unanswered(outcomes, error)
+            with self.finished_cond:
+                for rid in ids.values():
+                    self.running.pop(rid, None)
+                    self.finished.pop(rid, None)
+        for index, outcome in enumerate(outcomes):
+            if outcome is None:
+                del ids[index]  # still running: no reply now, the frontend sends it again
+        return self.answer(outcomes, context, sizes, padded)
+
+    def _finish(self, rid: str, outcome: Any, batch_size: int) -> None:
+        """From a lane thread: a continuous-mode request is done; wake the call waiting for it."""
+        with self.finished_cond:
+            if rid in self.running:
+                self.finished[rid] = (outcome, batch_size)
+                self.finished_cond.notify_all()
+
+    def _admit(self, item: Item, context, arrived: float, settle, outcomes: list) -> Ticket | None:
+        """Queue the item in the scheduler, or record why it cannot be (bad headers, full queue)."""
+        try:
+            ticket = self._ticket(item, context, arrived, settle)
+            self.engine.submit([ticket])
+            return ticket
+        except ServingError as error:
+            if isinstance(error, Overloaded):
+                self.metrics.rejected("queue_full")
+            outcomes[item.index] = error
+            return None
+
+    def _ticket(self, item: Item, context, now: float, settle) -> Ticket:
         headers = _headers(context, item.index)
         priority = Priority.parse(headers.get(PRIORITY_HEADER))
         deadline_ms = self.config.deadline_ms
@@ -247,12 +322,13 @@ class EncoderHandler:
             if asked < 1:
                 raise BadInput(f"X-Deadline-Ms must be positive, got {asked}")
             deadline_ms = min(deadline_ms, asked)  # a client may shorten the deadline, not extend it
-        return Ticket(item, now, priority, now + deadline_ms / 1000, payload=(loop, loop.create_future()))
+        return Ticket(item, now, priority, now + deadline_ms / 1000, payload=settle)
 
     # -- stages
-    def parse(self, data: list, context, outcomes: list) -> list[tuple[int, str]]:
+    def parse(self, data: list, context, outcomes: list, rows=None) -> list[tuple[int, str]]:
         texts = []
-        for index, row in enumerate(data):
+        for index in range(len(data)) if rows is None else rows:
+            row = data[index]
             try:
                 texts.append((index, parse_text(row_value(row), _content_type(context, index))))
             except ServingError as error:
@@ -281,6 +357,9 @@ class EncoderHandler:
         bodies = []
         requests = len(getattr(context, "request_processor", None) or outcomes)
         for index, outcome in enumerate(outcomes):
+            if outcome is None:  # continuous mode: still running, not answered in this call
+                bodies.append("")
+                continue
             if index >= requests:
                 bodies.append(json.dumps(outcome.to_body() if isinstance(outcome, ServingError) else outcome))
                 continue
@@ -322,15 +401,30 @@ def _reply_async(bodies: list, outcomes: list, context) -> None:
             context.set_response_header(index, "ts_stream_next", "false")
 
 
+def serving_mode(yaml_config: dict) -> str:
+    """"async", "continuous" or "default", from the frontend keys of model-config.yaml."""
+    if yaml_config.get("asyncCommunication") is True:
+        return "async"
+    if yaml_config.get("continuousBatching") is True:
+        return "continuous"
+    return "default"
+
+
 def _resolve(ticket: Ticket, outcome: Any, batch_size: int = 1) -> None:
-    """Hand an outcome from a lane thread to the coroutine awaiting it on the event loop."""
-    loop, future = ticket.payload
+    """Hand a ticket's outcome, from a lane thread, to whoever waits for it."""
+    ticket.payload(outcome, batch_size)
 
-    def settle():
-        if not future.done():
-            future.set_result((outcome, batch_size))
 
-    loop.call_soon_threadsafe(settle)
+def _settle_on(loop, future):
+    """Async mode: resolve `future` on its event loop."""
+    def settle(outcome: Any, batch_size: int) -> None:
+        def set_result():
+            if not future.done():
+                future.set_result((outcome, batch_size))
+
+        loop.call_soon_threadsafe(set_result)
+
+    return settle
 
 
 def _fail_unanswered(outcomes: list, error: Exception) -> list:

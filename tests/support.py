@@ -15,22 +15,25 @@ TINY_LABELS = {
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "tokenizer_config.json", "special_tokens_map.json")
 
 
-def make_context(model_dir: str, handler: dict, batch_size: int = 8, name: str = "m"):
-    """A real ts.context.Context, as TorchServe's worker builds it, with our handler: section."""
+def make_context(model_dir: str, handler: dict, batch_size: int = 8, name: str = "m",
+                 frontend: dict | None = None):
+    """A real ts.context.Context, as TorchServe's worker builds it, with our handler: section
+    (and model-config.yaml's frontend keys, e.g. continuousBatching, when given)."""
     from ts.context import Context
     from ts.metrics.metrics_store import MetricsStore
 
     return Context(name, model_dir, {"model": {}}, batch_size, None, "0.12.0",
-                   metrics=MetricsStore(uuid.uuid4(), name), model_yaml_config={"handler": handler})
+                   metrics=MetricsStore(uuid.uuid4(), name),
+                   model_yaml_config={**(frontend or {}), "handler": handler})
 
 
-def load_handler(model_dir: str, **handler):
+def load_handler(model_dir: str, frontend: dict | None = None, **handler):
     """An EncoderHandler initialized on a TorchServe-shaped context; warmup off unless asked
     (warmup has its own tests and would slow the rest)."""
     from handlers.encoder_handler import EncoderHandler
 
     handler = {"task": "embedding", "model_dir": model_dir, "warmup": False, **handler}
-    context = make_context(model_dir, handler)
+    context = make_context(model_dir, handler, frontend=frontend)
     loaded = EncoderHandler()
     loaded.initialize(context)
     return loaded, context
@@ -43,18 +46,19 @@ class Reply:
     headers: dict
 
 
-def call(handler, context, payloads: Sequence[Any], content_type: str = "text/plain") -> list[Reply]:
-    """Run one TorchServe batch through handler.handle, as the worker's service would."""
+def _row(payload: Any, content_type: str, headers: dict | None = None):
     from ts.context import RequestProcessor
 
-    rows, processors = [], []
-    for payload in payloads:
-        ct = content_type
-        if isinstance(payload, tuple):
-            payload, ct = payload
-        rows.append({"body": payload})
-        processors.append(RequestProcessor({"body": {"content-type": ct}}))
-    context.request_processor = processors
+    if isinstance(payload, tuple):
+        payload, content_type = payload
+    return {"body": payload}, RequestProcessor({"body": {"content-type": content_type}, **(headers or {})})
+
+
+def call(handler, context, payloads: Sequence[Any], content_type: str = "text/plain") -> list[Reply]:
+    """Run one TorchServe batch through handler.handle, as the worker's service would."""
+    rows, processors = zip(*[_row(p, content_type) for p in payloads]) if payloads else ((), ())
+    rows = list(rows)
+    context.request_processor = list(processors)
     context.request_ids = {i: f"req-{i}" for i in range(len(rows))}
     bodies = handler.handle(rows, context)
     if len(bodies) != len(rows):
@@ -64,6 +68,50 @@ def call(handler, context, payloads: Sequence[Any], content_type: str = "text/pl
         status, _phrase = context.get_response_status(i)
         replies.append(Reply(status, json.loads(body), context.get_response_headers(i)))
     return replies
+
+
+class ContinuousFrontend:
+    """TorchServe 0.12's continuous batching frontend (wlm/ContinuousBatching.java), as seen by a
+    handler: every call carries every request not yet answered, in arrival order, plus new ones;
+    a request is answered when its index is still in `context.request_ids` after the call."""
+
+    def __init__(self, handler, context):
+        self.handler, self.context = handler, context
+        self.waiting: dict[str, tuple] = {}  # request id -> (row, request processor)
+        self.replies: dict[str, Reply] = {}
+        self.answered_in: dict[str, int] = {}  # request id -> call number that answered it
+        self.calls = 0
+
+    def submit(self, rid: str, payload: Any, content_type: str = "text/plain", headers: dict | None = None) -> None:
+        self.waiting[rid] = _row(payload, content_type, headers)
+
+    def step(self) -> list[str]:
+        """One call of handle(); returns the request ids it answered."""
+        order = list(self.waiting)
+        rows = [self.waiting[rid][0] for rid in order]
+        self.context.request_processor = [self.waiting[rid][1] for rid in order]
+        self.context.request_ids = dict(enumerate(order))
+        bodies = self.handler.handle(rows, self.context)
+        self.calls += 1
+        if len(bodies) != len(rows):
+            raise AssertionError(f"handler returned {len(bodies)} bodies for {len(rows)} requests")
+        done = []
+        for index, rid in self.context.request_ids.items():
+            if rid in self.replies:
+                raise AssertionError(f"{rid} answered twice")
+            status, _phrase = self.context.get_response_status(index)
+            self.replies[rid] = Reply(status, json.loads(bodies[index]), self.context.get_response_headers(index))
+            self.answered_in[rid] = self.calls
+            del self.waiting[rid]
+            done.append(rid)
+        return done
+
+    def drain(self, max_calls: int = 10_000) -> dict[str, Reply]:
+        while self.waiting:
+            if self.calls >= max_calls:
+                raise AssertionError(f"{len(self.waiting)} requests unanswered after {max_calls} calls")
+            self.step()
+        return self.replies
 
 
 def build_tiny_model(path: str, task: str, source_dir: str, seed: int = 0) -> str:

@@ -12,10 +12,14 @@ from archiver.properties import model_config
 
 # A long delay makes concurrent requests meet in one frontend batch; a full batch leaves at once.
 TEST_FRONTEND = {"batchSize": 8, "maxBatchDelay": 500, "minWorkers": 1, "maxWorkers": 2,
-                 "asyncCommunication": False}
-# tsbatch's own scheduler: the frontend hands over each request at once, tsbatch batches.
+                 "asyncCommunication": False, "continuousBatching": False}
+# tsbatch's own scheduler, as shipped: the frontend hands the worker every request it holds plus
+# new ones on each call (continuous batching), tsbatch batches and answers the finished ones.
+CONTINUOUS_FRONTEND = {"batchSize": 96, "maxBatchDelay": 1, "minWorkers": 1, "maxWorkers": 1,
+                       "continuousBatching": True, "asyncCommunication": False}
+# tsbatch's own scheduler in async mode: the frontend hands over each request at once.
 ASYNC_FRONTEND = {"batchSize": 1, "maxBatchDelay": 1, "minWorkers": 1, "maxWorkers": 1,
-                  "asyncCommunication": True}
+                  "asyncCommunication": True, "continuousBatching": False}
 MODELS = {
     # name -> (handler section, frontend keys); "minilm" also carries the POISON seam
     # a few buckets keep warmup short in tests; the shipped default has 16
@@ -25,6 +29,8 @@ MODELS = {
                    TEST_FRONTEND),
     "minilm_async": ({"task": "embedding", "fault_injection": {"substring": "POISON"}, "warmup": False,
                       "max_wait_ms": 20, "queue_cap": 64}, ASYNC_FRONTEND),
+    "minilm_cont": ({"task": "embedding", "fault_injection": {"substring": "POISON"}, "max_batch_size": 8,
+                     "buckets": [16, 64, 256], "max_wait_ms": 20, "queue_cap": 64}, CONTINUOUS_FRONTEND),
 }
 
 

@@ -1,6 +1,7 @@
-"""tsbatch's async scheduler mode through a real torchserve."""
+"""tsbatch's scheduler modes through a real torchserve: continuous (shipped) and async."""
 from __future__ import annotations
 
+import pytest
 import requests
 
 from handlers.encoder_handler import BATCH_SIZE_HEADER
@@ -11,8 +12,12 @@ TEXTS = [f"async request {i} about {w}" for i, w in enumerate(
     ["owls", "boats", "tea", "maps", "snow", "drums", "lamps", "kites"])]
 
 
-def test_async_mode_answers_each_request_with_its_own_status(torchserve):
-    url = f"{torchserve.inference}/predictions/minilm_async"
+SCHEDULER_MODELS = pytest.mark.parametrize("model", ["minilm_cont", "minilm_async"])
+
+
+@SCHEDULER_MODELS
+def test_scheduler_modes_answer_each_request_with_its_own_status(torchserve, model):
+    url = f"{torchserve.inference}/predictions/{model}"
     singles = [post(url, t) for t in TEXTS]
     assert [a.status for a in singles] == [200] * 8
     payloads = list(TEXTS)
@@ -27,8 +32,9 @@ def test_async_mode_answers_each_request_with_its_own_status(torchserve):
     assert max(int(a.headers[BATCH_SIZE_HEADER]) for a in answers if a.status == 200) > 1
 
 
-def test_priority_and_deadline_headers(torchserve):
-    url = f"{torchserve.inference}/predictions/minilm_async"
+@SCHEDULER_MODELS
+def test_priority_and_deadline_headers(torchserve, model):
+    url = f"{torchserve.inference}/predictions/{model}"
     high = requests.post(url, data=b"urgent", headers={"Content-Type": "text/plain", "X-Priority": "high"}, timeout=30)
     assert high.status_code == 200
     bad = requests.post(url, data=b"x", headers={"Content-Type": "text/plain", "X-Priority": "urgent"}, timeout=30)

@@ -154,8 +154,9 @@ def test_archive_with_a_profile_builds_a_tuned_mar(tmp_path, minilm_dir, profile
     mar = str(store / "minilm.mar")
     text = mar_member(mar, "model-config.yaml")
     config = yaml.safe_load(text)
-    assert config["asyncCommunication"] is True and config["batchSize"] == 1
+    assert config["continuousBatching"] is True and config["asyncCommunication"] is False
     handler = config["handler"]
+    assert config["batchSize"] == handler.get("queue_cap", 64) + 32
     assert handler["buckets"] == [16, 64, 256] and set(handler["batch_caps"]) == {16, 64, 256}
     assert all(cap in (1, 2, 4) for cap in handler["batch_caps"].values())
     assert config["minWorkers"] * handler["torch_threads"] <= len(os.sched_getaffinity(0))

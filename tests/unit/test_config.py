@@ -124,7 +124,7 @@ def test_unknown_keys_are_named(section, names):
     message = str(caught.value)
     assert "unknown key" in message
     assert str(names) in message
-    assert "known keys are" in message and "'max_batch_tokens'" in message
+    assert "known keys are" in message and "max_batch_size, max_batch_tokens" in message
 
 
 def test_config_error_is_a_value_error():
@@ -265,11 +265,12 @@ def test_fault_injection_is_off_by_default():
     assert load().fault_injection.enabled is False
 
 
-# -- async-mode scheduler fields (asyncCommunication: true) -------------------------------------
+# -- scheduler fields (continuousBatching or asyncCommunication: true) ---------------------------
 
 ASYNC_DEFAULTS = {
     "max_wait_ms": 2,
-    "queue_cap": 256,
+    "poll_ms": 5,
+    "queue_cap": 64,
     "age_bound_ms": 250,
     "priority_aging_ms": 1000,
     "deadline_ms": 30000,

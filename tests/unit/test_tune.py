@@ -259,16 +259,34 @@ def test_job_queue_follows_littles_law_with_torchserves_default_as_floor():
     assert slow.frontend["jobQueueSize"].value >= 100
 
 
-def test_async_mode_is_chosen_with_batch_size_one_and_a_measured_reason():
+def test_continuous_mode_is_the_default_and_holds_queue_cap_plus_room_for_new_requests():
     tuning = tune(linear(), 500, TWO_CORES, EMBEDDING)
     values = tuning.frontend_values()
-    assert (values["asyncCommunication"], values["batchSize"]) == (True, 1)
-    assert "measured" in tuning.frontend["asyncCommunication"].reason
+    assert tuning.mode == "continuous"
+    assert (values["continuousBatching"], values["asyncCommunication"]) == (True, False)
+    assert values["batchSize"] == EMBEDDING.queue_cap + 32 and values["maxBatchDelay"] == 1
+    assert "restarts a worker that dies" in tuning.frontend["continuousBatching"].reason
+    with_cap = tune(linear(), 500, TWO_CORES, HandlerConfig.from_yaml({**BASE, "queue_cap": 10}))
+    assert with_cap.frontend["batchSize"].value == 42
+    assert {p.lane for p in tuning.buckets} == {0, 1}  # the scheduler's two lanes
+
+
+def test_async_mode_on_request_has_batch_size_one():
+    tuning = tune(linear(), 500, TWO_CORES, EMBEDDING, mode="async")
+    values = tuning.frontend_values()
+    assert (values["asyncCommunication"], values["continuousBatching"], values["batchSize"]) == (True, False, 1)
+    assert "max_wait_ms" in tuning.handler and {p.lane for p in tuning.buckets} == {0, 1}
+
+
+def test_unknown_mode_is_refused():
+    with pytest.raises(TuneError, match="mode must be one of"):
+        tune(linear(), 500, TWO_CORES, EMBEDDING, mode="turbo")
 
 
 def test_default_mode_has_one_lane_and_no_wait():
-    tuning = tune(linear(), 500, TWO_CORES, EMBEDDING, async_mode=False)
+    tuning = tune(linear(), 500, TWO_CORES, EMBEDDING, mode="kserve")
     assert tuning.frontend["asyncCommunication"].value is False and tuning.frontend["batchSize"].value == 1
+    assert tuning.frontend["continuousBatching"].value is False
     assert "max_wait_ms" not in tuning.handler
     assert {p.lane for p in tuning.buckets} == {0}
 
@@ -353,7 +371,8 @@ def test_tune_writes_files_that_read_back(tmp_path):
     with open(built.config_path) as f:
         config = yaml.safe_load(f)
     assert config["handler"]["batch_caps"] == built.tuning.handler["batch_caps"].value
-    assert config["asyncCommunication"] is True and config["minWorkers"] == 1
+    assert config["continuousBatching"] is True and config["asyncCommunication"] is False
+    assert config["minWorkers"] == 1
     with open(built.properties) as f:
         values = read_properties(f.read())
     assert values["load_models"] == "minilm.mar" and values["default_workers_per_model"] == "1"

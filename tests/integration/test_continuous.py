@@ -1,0 +1,101 @@
+"""Continuous mode: the handler under TorchServe's continuous batching protocol, with the real model.
+
+tests.support.ContinuousFrontend plays the frontend: each call carries every request not yet
+answered plus new ones, and a request counts as answered when its index is still in
+`context.request_ids` after the call. The end-to-end tests run the same mode in a real torchserve.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from handlers.encoder_handler import BATCH_SIZE_HEADER
+from tests.support import ContinuousFrontend, call, cosine, load_handler
+
+pytestmark = pytest.mark.integration
+
+CONTINUOUS = {"continuousBatching": True, "batchSize": 32, "maxBatchDelay": 1}
+TEXTS = [f"continuous request {i} about {w}" for i, w in enumerate(
+    ["owls", "boats", "tea", "maps", "snow", "drums", "lamps", "kites"])]
+LONG = " ".join(["a rather long sentence about nothing in particular"] * 60)  # past 256 tokens: truncated
+
+
+@pytest.fixture(scope="module")
+def reference(minilm_dir):
+    """Answers of the default mode, one request per batch."""
+    handler, context = load_handler(minilm_dir)
+    return {text: call(handler, context, [text])[0].body["embedding"] for text in TEXTS + [LONG]}
+
+
+@pytest.fixture(scope="module")
+def continuous(minilm_dir):
+    return load_handler(minilm_dir, frontend=CONTINUOUS, fault_injection={"substring": "POISON"},
+                        max_wait_ms=20, poll_ms=5)
+
+
+def test_each_request_is_answered_once_with_its_own_status_and_the_answer_it_gets_alone(continuous, reference):
+    handler, context = continuous
+    assert handler.mode == "continuous"
+    frontend = ContinuousFrontend(handler, context)
+    payloads = list(TEXTS)
+    payloads[2] = "POISON in here"
+    payloads[6] = (b"{broken", "application/json")
+    for i, payload in enumerate(payloads):
+        frontend.submit(f"r{i}", payload)
+    replies = frontend.drain()
+
+    assert [replies[f"r{i}"].status for i in range(8)] == [200, 200, 500, 200, 200, 200, 400, 200]
+    assert "POISON" in replies["r2"].body["error"] and replies["r6"].body["code"] == 400
+    for i in (0, 1, 3, 4, 5, 7):
+        assert cosine(replies[f"r{i}"].body["embedding"], reference[TEXTS[i]]) >= 0.9999
+    assert frontend.answered_in["r6"] == 1  # bad input is answered in the call that brought it
+    # tsbatch's scheduler formed the batches: some requests shared a pass
+    assert max(int(r.headers[BATCH_SIZE_HEADER]) for r in replies.values() if r.status == 200) > 1
+    assert handler.running == {} and handler.finished == {}  # nothing left behind
+
+
+def test_a_call_returns_after_poll_ms_while_its_requests_still_run(continuous):
+    handler, context = continuous
+    frontend = ContinuousFrontend(handler, context)
+    for i in range(8):
+        frontend.submit(f"long{i}", LONG + f" {i}")  # one pass of 8 x 256 tokens: far longer than poll_ms
+    started = time.monotonic()
+    answered = frontend.step()
+    assert answered == [] and time.monotonic() - started < 0.5
+    assert len(frontend.waiting) == 8  # unanswered requests stay with the frontend, to come back
+    frontend.drain()
+    assert all(r.status == 200 for r in frontend.replies.values())
+
+
+def test_a_short_request_is_answered_while_a_long_pass_runs(continuous, reference):
+    handler, context = continuous
+    frontend = ContinuousFrontend(handler, context)
+    for i in range(8):
+        frontend.submit(f"long{i}", LONG + f" {i}")  # the long lane: 8 x 256 tokens in one pass
+    frontend.step()
+    assert len(frontend.waiting) == 8
+    frontend.submit("short", TEXTS[0])
+    while "short" not in frontend.replies:
+        frontend.step()
+        assert frontend.calls < 10_000
+    assert frontend.replies["short"].status == 200
+    assert cosine(frontend.replies["short"].body["embedding"], reference[TEXTS[0]]) >= 0.9999
+    assert not any(rid.startswith("long") for rid in frontend.replies), \
+        "the short request waited for the long pass"
+    frontend.drain()
+    assert all(frontend.replies[f"long{i}"].status == 200 for i in range(8))
+
+
+def test_a_full_queue_and_bad_headers_are_answered_at_once(minilm_dir):
+    handler, context = load_handler(minilm_dir, frontend=CONTINUOUS, queue_cap=2, max_wait_ms=1000)
+    frontend = ContinuousFrontend(handler, context)
+    for i in range(4):
+        frontend.submit(f"q{i}", f"queued {i}")  # cap 2: the 3rd and 4th are refused
+    frontend.submit("bad", "x", headers={"X-Priority": "urgent"})
+    answered = frontend.step()
+    assert sorted(answered) == ["bad", "q2", "q3"]
+    assert frontend.replies["q2"].status == 503 and frontend.replies["q2"].headers.get("Retry-After") == "1"
+    assert frontend.replies["bad"].status == 400 and "X-Priority" in frontend.replies["bad"].body["error"]
+    frontend.drain()
+    assert frontend.replies["q0"].status == frontend.replies["q1"].status == 200
