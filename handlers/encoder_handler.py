@@ -134,12 +134,13 @@ class EncoderHandler:
         _resolve(ticket, outcome, batch_size)
 
     def _lanes(self) -> list[tuple[tuple[int, ...], int]]:
-        """The scheduler modes' lanes (buckets each serves) and the intra-op threads each one gets."""
+        """The scheduler modes' lanes (buckets each serves) and the intra-op threads each one gets:
+        all of the worker's, so a short pass alone runs at full speed; when both lanes run, the
+        long lane's lower OS priority (runner.use_threads) hands the cores to the short pass."""
         from handlers.engine import split_lanes
 
-        lanes = split_lanes(self.edges, self.config.long_lane_from)
-        threads = max(1, self.runner.describe()["torch_threads"] // len(lanes))
-        return [(lane, threads) for lane in lanes]
+        threads = self.runner.describe()["torch_threads"]
+        return [(lane, threads) for lane in split_lanes(self.edges, self.config.long_lane_from)]
 
     def _warm_up(self, model_name: str, model_dir: str, yaml_config: dict, lanes) -> Any:
         """Run every shape the handler can form before READY and keep the timings as the profile."""
@@ -403,6 +404,9 @@ def _reply_async(bodies: list, outcomes: list, context) -> None:
 
 def serving_mode(yaml_config: dict) -> str:
     """"async", "continuous" or "default", from the frontend keys of model-config.yaml."""
+    if yaml_config.get("asyncCommunication") is True and yaml_config.get("continuousBatching") is True:
+        raise ConfigError("model-config.yaml sets both asyncCommunication and continuousBatching: TorchServe "
+                          "cannot do both; keep continuousBatching (tsbatch's default) or asyncCommunication")
     if yaml_config.get("asyncCommunication") is True:
         return "async"
     if yaml_config.get("continuousBatching") is True:

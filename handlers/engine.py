@@ -1,9 +1,10 @@
-"""Async mode's execution side: lane threads that take batches from the Scheduler and run them.
+"""The scheduler modes' execution side: lane threads that take batches from the Scheduler and run them.
 
-TorchServe's async mode awaits one `handle` coroutine per frontend message; each request becomes
-a Ticket whose future is resolved as soon as its own batch finishes. Model passes run on lane
-threads, never on the event loop. With two lanes, short buckets and long buckets run on separate
-threads that share the cores, so a short request never waits for a long pass to end.
+Each request becomes a Ticket whose outcome is handed back (`deliver`) as soon as its own batch
+finishes: to the coroutine awaiting it in async mode, to the next call in continuous mode. Model
+passes run on lane threads, never on TorchServe's thread. With two lanes, short buckets and long
+buckets run on separate threads that share the cores (the long one at a lower OS priority), so a
+short request never waits for a long pass to end.
 
 Deadlines are kept twice: a ticket whose pass could not end before its deadline (`pass_seconds`,
 from the latency profile) gets 504 instead of running, and a result that is ready only after the

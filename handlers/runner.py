@@ -35,6 +35,9 @@ _MODEL_CLASSES = {
     Task.TOKEN_CLASSIFICATION: AutoModelForTokenClassification,
 }
 _PAD_VALUES = {"attention_mask": 0, "token_type_ids": 0}
+# Inputs longer than max_length x this many characters are tokenized from a prefix first (see
+# ModelRunner._tokenize_prefix): ordinary text has 4-6 characters per token.
+PREFIX_CHARS_PER_TOKEN = 32
 
 
 class InjectedFault(RuntimeError):
@@ -114,10 +117,11 @@ class ModelRunner:
         self.model_name = os.path.basename(os.path.normpath(model_path))
 
     def use_threads(self, count: int, background: bool = False) -> None:
-        """Intra-op threads for passes run from the calling thread (each lane gets its own share
-        of the cores, so a short pass never queues behind a long one for the same threads).
-        A background lane also lowers its OS priority: under contention the short lane, the
-        worker's I/O threads and the frontend run first, the long lane takes what is left."""
+        """Intra-op threads for passes run from the calling thread (each lane has its own OpenMP
+        team, so a short pass never queues behind a long one for the same threads). A background
+        lane also lowers its OS priority (its team's threads inherit it): under contention the
+        short lane, the worker's I/O threads and the frontend run first, the long lane takes what
+        is left."""
         torch.set_num_threads(max(1, count))
         if background and hasattr(os, "setpriority"):
             try:
@@ -168,13 +172,11 @@ class ModelRunner:
     # -- tokenize: one request -> its token count and unpadded encoding
     def tokenize(self, text: str) -> tuple[int, Encoding]:
         truncate = self.config.truncation
-        out = self.tokenizer(
-            text,
-            truncation=truncate,
-            max_length=self.max_length if truncate else None,
-            return_offsets_mapping=self.task is Task.TOKEN_CLASSIFICATION,
-            verbose=False,
-        )
+        out = None
+        if truncate and len(text) > self.max_length * PREFIX_CHARS_PER_TOKEN:
+            out = self._tokenize_prefix(text)
+        if out is None:
+            out = self._encode(text, truncate)
         ids = out["input_ids"]
         if len(ids) > self.max_length:
             raise InputTooLong(
@@ -184,6 +186,27 @@ class ModelRunner:
         features = {k: list(v) for k, v in out.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
         offsets = [tuple(o) for o in out["offset_mapping"]] if "offset_mapping" in out else None
         return len(ids), Encoding(features, offsets)
+
+    def _encode(self, text: str, truncate: bool):
+        return self.tokenizer(
+            text,
+            truncation=truncate,
+            max_length=self.max_length if truncate else None,
+            return_offsets_mapping=self.task is Task.TOKEN_CLASSIFICATION,
+            verbose=False,
+        )
+
+    def _tokenize_prefix(self, text: str):
+        """A huge input is truncated anyway: tokenize only a prefix cut at whitespace (whole words
+        tokenize the same alone), and keep it if it already fills max_length, which makes the kept
+        tokens those of the whole text. Tokenizing 1 MB takes about a second; this takes
+        milliseconds, so one huge request cannot stall the worker's intake. None: use the whole text."""
+        limit = self.max_length * PREFIX_CHARS_PER_TOKEN
+        cut = max(text.rfind(space, 0, limit) for space in " \n\t\r")
+        if cut <= 0:
+            return None
+        out = self._encode(text[:cut], True)
+        return out if len(out["input_ids"]) >= self.max_length else None
 
     # -- run: one planned batch -> one result per item, in the batch's order
     @torch.inference_mode()

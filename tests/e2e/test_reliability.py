@@ -199,7 +199,8 @@ def test_an_archive_with_a_bad_handler_section_never_serves_and_logs_the_field(t
     store = str(tmp_path / "store")
     handler = {"task": "sequence_classification", "buckets": [64, 32], "warmup": False}
     build_archive(ArchiveSpec(tiny_models["sequence_classification"], "bad", model_config(
-        handler, {"minWorkers": 1, "maxWorkers": 1, "asyncCommunication": False, "batchSize": 1}), store))
+        handler, {"minWorkers": 1, "maxWorkers": 1, "asyncCommunication": False, "continuousBatching": False,
+                  "batchSize": 1}), store))
     ports = free_ports(5)
     settings = ServerSettings(store, ("bad.mar",), inference_port=ports[0], management_port=ports[1],
                               metrics_port=ports[2], grpc_inference_port=ports[3], grpc_management_port=ports[4])

@@ -150,6 +150,13 @@ def test_bad_config_fails_at_load_with_a_clear_message(minilm_dir, handler_secti
         EncoderHandler().initialize(context)
 
 
+def test_async_and_continuous_together_fail_at_load(minilm_dir):
+    context = make_context(minilm_dir, {"task": "embedding", "model_dir": minilm_dir, "warmup": False},
+                           frontend={"asyncCommunication": True, "continuousBatching": True})
+    with pytest.raises(ConfigError, match="both asyncCommunication and continuousBatching"):
+        EncoderHandler().initialize(context)
+
+
 def test_token_budget_below_one_request_of_the_largest_bucket_fails_at_load(minilm_dir):
     context = make_context(minilm_dir, {"task": "embedding", "model_dir": minilm_dir, "max_batch_tokens": 100,
                                         "warmup": False})
@@ -171,3 +178,38 @@ def test_rows_beyond_the_contexts_requests_still_get_bodies(minilm):
     parsed = [_json.loads(b) for b in bodies]
     assert len(parsed[0]["embedding"]) == len(parsed[1]["embedding"]) == 384
     assert parsed[2]["code"] == 400
+
+
+# -- huge inputs: tokenized from a prefix, with the same tokens as the whole text ------------------
+
+HUGE_INPUTS = {
+    "plain words": " ".join(f"word{i % 97} and more" for i in range(60_000)),
+    "newlines only": "\n".join(["Zürich naïve café résumé"] * 20_000),
+    "whitespace gap": "hello " + " " * 20_000 + " ".join(["world"] * 5_000),  # the prefix holds 2 tokens
+    "no whitespace": "x" * 50_000,
+}
+
+
+@pytest.mark.parametrize("name", sorted(HUGE_INPUTS))
+def test_a_huge_input_gets_the_tokens_of_the_whole_text(minilm, name):
+    import time
+
+    handler, _context = minilm
+    text = HUGE_INPUTS[name]
+    started = time.perf_counter()
+    tokens, encoding = handler.runner.tokenize(text)
+    elapsed = time.perf_counter() - started
+    whole = handler.runner._encode(text, True)
+    assert encoding.features["input_ids"] == list(whole["input_ids"])
+    assert tokens == len(whole["input_ids"])
+    # the prefix is used exactly where it fills max_length; the whole text is tokenized otherwise
+    assert (handler.runner._tokenize_prefix(text) is not None) == (name in ("plain words", "newlines only"))
+    print(f"{name}: {len(text)} chars -> {tokens} tokens in {elapsed * 1000:.1f} ms")
+
+
+def test_a_huge_input_keeps_character_offsets_for_token_classification(tiny_models):
+    handler, _context = load(tiny_models["token_classification"], task="token_classification")
+    text = " ".join(["Alice met Bob in Paris."] * 5_000)
+    _tokens, encoding = handler.runner.tokenize(text)
+    whole = handler.runner._encode(text, True)
+    assert encoding.offsets == [tuple(o) for o in whole["offset_mapping"]]

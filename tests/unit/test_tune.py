@@ -93,7 +93,7 @@ def test_tuned_caps_are_measured_powers_of_two_and_the_fastest_that_fit():
     profile = linear(per_token_ms=0.04)
     tuning = tune(profile, 500, TWO_CORES, EMBEDDING)
     caps = tuning.handler["batch_caps"].value
-    wait = tuning.handler["max_wait_ms"].value
+    wait = tuning.handler["max_wait_ms"].value + EMBEDDING.poll_ms  # continuous mode: taken in within poll_ms
     budget = (500 - wait) / 2
     assert set(caps) == {16, 64, 256}
     for bucket, cap in caps.items():
@@ -127,7 +127,7 @@ def test_short_requests_do_not_wait_behind_the_long_lane():
     tuning = tune(linear(), 500, TWO_CORES, EMBEDDING)
     by_bucket = {p.bucket: p for p in tuning.buckets}
     assert by_bucket[16].lane == 0 and by_bucket[256].lane == 1
-    wait = tuning.handler["max_wait_ms"].value
+    wait = tuning.handler["max_wait_ms"].value + EMBEDDING.poll_ms  # continuous mode: taken in within poll_ms
     short_ahead = max(by_bucket[b].p90_ms for b in (16, 64))
     assert by_bucket[16].predicted_p99_ms == pytest.approx(wait + short_ahead + by_bucket[16].p90_ms, abs=0.1)
     assert by_bucket[16].predicted_p99_ms < wait + by_bucket[256].p90_ms + by_bucket[16].p90_ms
@@ -153,12 +153,12 @@ def test_every_bucket_meets_the_target_or_tune_refuses(fixed, per_token, spread,
     try:
         tuning = tune(profile, target, TWO_CORES, config)
     except TuneError as error:
-        wait = min(max(1, math.floor(0.1 * target)), max(1, math.ceil(timings[(1, 16)][0])))
+        wait = min(max(1, math.floor(0.1 * target)), max(1, math.ceil(timings[(1, 16)][0]))) + EMBEDDING.poll_ms
         worst = max(smooth[(1, b)].p90_ms for b in buckets)
         assert wait + 2 * worst > target, str(error)  # refused only when batch 1 cannot make it
         assert "below what this model can do" in str(error)
         return
-    wait = tuning.handler["max_wait_ms"].value
+    wait = tuning.handler["max_wait_ms"].value + EMBEDDING.poll_ms  # continuous mode: taken in within poll_ms
     caps = {p.bucket: smooth[(p.batch, p.bucket)] for p in tuning.buckets}
     expected = predicted_p99(caps, split_lanes(buckets, lane_from), wait)
     for plan in tuning.buckets:
@@ -173,7 +173,7 @@ def test_an_impossible_target_is_refused_naming_the_shape_and_its_p90():
     message = str(raised.value)
     assert "target of 100 ms" in message and "bucket 256" in message and "batch 1" in message
     assert "p90 95.0 ms" in message
-    wait = 10  # batch 1 x 16 takes 10 ms: the wait for company
+    wait = 10 + EMBEDDING.poll_ms  # batch 1 x 16 takes 10 ms: the wait for company; then poll_ms to be taken in
     assert f"--target-ms {math.ceil(wait + 2 * 95)}" in message
     tune(profile, wait + 2 * 95 + 1, TWO_CORES, EMBEDDING)  # and that target is accepted
 
