@@ -159,7 +159,7 @@ def plan_workers(machine: Machine, use_gpu: bool = False, threads: int | None = 
         Choice(threads, f"all of this worker's share of the {machine.cores} cores (at most "
                         f"{MAX_THREADS_PER_WORKER}: beyond that a small encoder gains little from more "
                         "intra-op threads, so extra cores go to more workers); the scheduler's two lanes "
-                        "both use them, the long lane at lower OS priority"),
+                        "split them, the long lane at lower OS priority"),
     )
 
 

@@ -30,6 +30,7 @@ from bench.loadgen import RunResult, run_open_loop  # noqa: E402
 from bench.workload import Mix, make_requests, poisson_arrivals  # noqa: E402
 
 FRONTEND = {"batchSize": 8, "maxBatchDelay": 10, "minWorkers": 1, "maxWorkers": 1, "responseTimeout": 120,
+            "startupTimeout": 900,  # every arm warms at once on a small machine
             "asyncCommunication": False, "continuousBatching": False}
 CONTINUOUS_FRONTEND = {**FRONTEND, "batchSize": 96, "maxBatchDelay": 1, "continuousBatching": True}
 ASYNC_FRONTEND = {**FRONTEND, "batchSize": 1, "maxBatchDelay": 1, "asyncCommunication": True}

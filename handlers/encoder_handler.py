@@ -135,12 +135,14 @@ class EncoderHandler:
 
     def _lanes(self) -> list[tuple[tuple[int, ...], int]]:
         """The scheduler modes' lanes (buckets each serves) and the intra-op threads each one gets:
-        all of the worker's, so a short pass alone runs at full speed; when both lanes run, the
-        long lane's lower OS priority (runner.use_threads) hands the cores to the short pass."""
+        a share of the worker's, so two lanes busy at once never oversubscribe the cores (OpenMP
+        teams that outnumber the cores spin against each other: warmup of 3 workers x 2 lanes x
+        2 threads on 2 cores ran 5x slower than with 1 thread a lane)."""
         from handlers.engine import split_lanes
 
-        threads = self.runner.describe()["torch_threads"]
-        return [(lane, threads) for lane in split_lanes(self.edges, self.config.long_lane_from)]
+        lanes = split_lanes(self.edges, self.config.long_lane_from)
+        threads = max(1, self.runner.describe()["torch_threads"] // len(lanes))
+        return [(lane, threads) for lane in lanes]
 
     def _warm_up(self, model_name: str, model_dir: str, yaml_config: dict, lanes) -> Any:
         """Run every shape the handler can form before READY and keep the timings as the profile."""
