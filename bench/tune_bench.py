@@ -3,7 +3,7 @@ best one a grid search over TorchServe's knobs finds, and how much faster?
 
 Same machine, same model, same workload (bench/workload.Mix: open-loop Poisson, mostly short
 inputs, some near the maximum), same p99 target. Arms:
-  tuned  what `tsbatch archive` builds by default here: profile, tune (async mode, batch caps per
+  tuned  what `tsbatch archive` builds by default here: profile, tune (continuous mode, batch caps per
          bucket, max wait, workers, threads), build.
   grid   TorchServe's default batching with the knobs people set by hand: batchSize x
          maxBatchDelay x workers, tsbatch's handler otherwise as shipped (its max_batch_size set to
@@ -106,7 +106,7 @@ def tuned_arm(root: str, model_dir: str, buckets: list[int], rates: list[float],
     result = serve_and_sweep(root, name, store, rates, duration, target_ms,
                              tuned_properties=os.path.join(store, "config.properties"))
     handler = tuned_config["handler"]
-    result.update(config={k: tuned_config[k] for k in ("asyncCommunication", "batchSize", "minWorkers")} |
+    result.update(config={k: tuned_config[k] for k in ("continuousBatching", "batchSize", "minWorkers")} |
                   {k: handler.get(k) for k in ("batch_caps", "max_wait_ms", "torch_threads")},
                   find_seconds=round(find_s, 1), profile_warmup_seconds=warmup_s)
     return result

@@ -41,8 +41,13 @@ def texts(count: int, words: int = 30) -> list[bytes]:
 
 
 def huge(i: int) -> bytes:
-    """~900 KB of text, under max_request_size: about a second of tokenizing each."""
+    """~900 KB of text, under max_request_size: tokenized from a prefix (whole words) in milliseconds."""
     return (f"huge request {i} " + "word " * 180_000).encode()
+
+
+def unbroken(i: int) -> bytes:
+    """~900 KB without whitespace: no prefix to cut at, so about a second of tokenizing each."""
+    return (f"unbroken-request-{i}," + "word," * 180_000).encode()
 
 
 def scale(management: str, model: str, low: int, high: int) -> None:
@@ -104,16 +109,20 @@ def test_a_burst_is_shed_with_retry_after(torchserve):
     assert answer_problems(shots) == []
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="bug: X-Deadline-Ms is counted from when the handler tokenized the request, and async "
-                          "mode tokenizes on the worker's event loop: time queued behind other requests' intake "
-                          "does not count, so an accepted request can finish far past its deadline")
-def test_a_request_is_answered_within_its_deadline_even_behind_huge_ones(torchserve):
-    url = f"{torchserve.inference}/predictions/minilm_async"
+@pytest.mark.parametrize("model", ["minilm_cont", "minilm_async"])
+@pytest.mark.parametrize("make_big", [
+    huge,
+    pytest.param(unbroken, marks=pytest.mark.xfail(
+        strict=True, raises=AssertionError,
+        reason="known limit: a huge input without whitespace is tokenized whole (about a second per "
+               "megabyte) on the thread that takes requests in, and the deadline only counts from there")),
+])
+def test_a_request_is_answered_within_its_deadline_even_behind_huge_ones(torchserve, model, make_big):
+    url = f"{torchserve.inference}/predictions/{model}"
     load = Load()
     try:
-        victim = one_worker(torchserve.management, "minilm_async")
-        big = [load.send(url, huge(i), timeout=90) for i in range(8)]  # about a second of tokenizing each
+        victim = one_worker(torchserve.management, model)
+        big = [load.send(url, make_big(i), timeout=90) for i in range(8)]
         wait_busy([victim], cpu=0.2, timeout=60)
         small = load.send(url, b"a short request in a hurry", headers={"X-Deadline-Ms": "300"}, timeout=60).result(60)
         assert all(f.result(90).status == 200 for f in big)
@@ -133,7 +142,7 @@ def test_a_worker_killed_mid_batch_fails_its_batch_promptly_and_comes_back_warm(
     load = Load()
     try:
         victim = one_worker(torchserve.management, model)
-        batch = [load.send(url, huge(i), timeout=120) for i in range(8)]  # one full TorchServe batch
+        batch = [load.send(url, unbroken(i), timeout=120) for i in range(8)]  # a second of tokenizing each
         wait_busy([victim], cpu=0.5, timeout=60)
         if any(f.done() for f in batch):
             pytest.fail(f"the batch was answered before the kill: {by_status(f.result() for f in batch if f.done())}")
@@ -141,17 +150,26 @@ def test_a_worker_killed_mid_batch_fails_its_batch_promptly_and_comes_back_warm(
         killed = time.monotonic()
         during = [load.send(url, f"sent while the worker restarts {i}".encode(), timeout=300) for i in range(2)]
 
-        for shot in (f.result(timeout=130) for f in batch):
-            assert shot.answered, f"an in-flight request got no answer: {shot.error}"
-            assert shot.done_at - killed <= 15, f"answered {shot.done_at - killed:.1f}s after the kill"
-            body = shot.json()
-            assert shot.status >= 500 and isinstance(body, dict) and body.get("code") == shot.status, shot.body[:200]
-
         ready = wait_until(lambda: [w for w in server.workers(torchserve.management, model)
                                     if w["status"] == "READY" and int(w["pid"]) != victim], 300,
                            what="a new READY worker")
         recovered = time.monotonic() - killed
         new_pid = int(ready[0]["pid"])
+        # Requests the dead worker held fail at once; in continuous mode the worker may not have
+        # taken every request in yet: those wait in TorchServe's queue for the new worker.
+        failed = 0
+        for shot in (f.result(timeout=300) for f in batch):
+            assert shot.answered, f"an in-flight request got no answer: {shot.error}"
+            if shot.status == 200:
+                assert int(shot.headers[WORKER_HEADER]) == new_pid, "a 200 from the killed worker after the kill"
+                continue
+            failed += 1
+            assert shot.done_at - killed <= 15, f"failed {shot.done_at - killed:.1f}s after the kill"
+            body = shot.json()
+            assert shot.status >= 500 and isinstance(body, dict) and body.get("code") == shot.status, shot.body[:200]
+        assert failed >= 1, "the kill hit no request the worker held"
+        if model == "minilm":
+            assert failed == len(batch)  # default batching: all eight were one batch in the worker
         warmed = warmups(torchserve.log())
         assert new_pid in warmed, f"no 'tsbatch warmup done ... by worker pid {new_pid}' line in the model log"
         for shot in (f.result(timeout=300) for f in during):  # queued in the frontend meanwhile: not lost
@@ -177,7 +195,7 @@ def test_an_async_worker_killed_mid_batch_answers_its_clients(torchserve, reques
     load = Load()
     try:
         victim = one_worker(torchserve.management, "minilm_async")
-        in_flight = [load.send(url, huge(i), timeout=HANG_BOUND) for i in range(4)]
+        in_flight = [load.send(url, unbroken(i), timeout=HANG_BOUND) for i in range(4)]
         wait_busy([victim], cpu=0.5, timeout=60)
         if any(f.done() for f in in_flight):
             pytest.fail("the requests were answered before the kill")
