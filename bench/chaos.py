@@ -580,7 +580,7 @@ def run(args) -> dict:
     texts = [r.text.encode() for r in make_requests(2000, Mix(), seed=11)]
     with tempfile.TemporaryDirectory(prefix="tsbatch-chaos-") as root:
         store = os.path.join(root, "store")
-        drills = args.drills.split(",")
+        drills = args.drills
         models = {n: spec for n, spec in MODELS.items() if n == "shipped" or f"kill-{n}" in drills}
         for name, (handler, frontend) in models.items():
             build_archive(ArchiveSpec(str(MODEL_DIR), name, model_config(handler, frontend), store))

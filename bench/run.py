@@ -176,7 +176,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-dir", default=None)
     parser.add_argument("--arms", default="a,b,c,d,e")
-    parser.add_argument("--rates", default="4,8,12,16,24,32,48,64", help="offered req/s, comma separated")
+    parser.add_argument("--rates", default="4,8,12,16,24,32,48,64,80,96,112,128",
+                        help="offered req/s, comma separated (up to past saturation of every arm)")
     parser.add_argument("--duration", type=float, default=15.0, help="seconds per rate")
     parser.add_argument("--target-ms", type=float, default=500.0, help="p99 latency target")
     parser.add_argument("--out", default=os.path.join(REPO, "bench", "results"))

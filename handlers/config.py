@@ -52,6 +52,9 @@ class HandlerConfig:
     age_bound_ms: int = 250
     priority_aging_ms: int = 1000
     deadline_ms: int = 30000
+    # of every deadline, kept for what the worker cannot see: the frontend's intake before handle()
+    # and the reply's way back to the client (make chaos: up to 20 ms under 3x overload)
+    deadline_margin_ms: int = 50
     long_lane_from: int | None = 128
     # warmup: every (batch size, bucket) shape before the worker reports READY
     warmup: bool = True
@@ -88,7 +91,7 @@ class HandlerConfig:
         if section.get("buckets") is not None:
             values["buckets"] = _edges("buckets", section["buckets"])
         for name in ("max_batch_tokens", "max_batch_size", "isolation_budget", "max_wait_ms", "poll_ms", "queue_cap",
-                     "age_bound_ms", "priority_aging_ms", "deadline_ms", "warmup_repeats",
+                     "age_bound_ms", "priority_aging_ms", "deadline_ms", "deadline_margin_ms", "warmup_repeats",
                      "warmup_max_repeats"):
             if name in section:
                 values[name] = _positive_int(name, section[name])

@@ -325,7 +325,9 @@ class EncoderHandler:
             if asked < 1:
                 raise BadInput(f"X-Deadline-Ms must be positive, got {asked}")
             deadline_ms = min(deadline_ms, asked)  # a client may shorten the deadline, not extend it
-        return Ticket(item, now, priority, now + deadline_ms / 1000, payload=settle)
+        # the handler's own deadline ends deadline_margin_ms early, so the answer reaches the client in time
+        return Ticket(item, now, priority, now + max(0, deadline_ms - self.config.deadline_margin_ms) / 1000,
+                      payload=settle)
 
     # -- stages
     def parse(self, data: list, context, outcomes: list, rows=None) -> list[tuple[int, str]]:

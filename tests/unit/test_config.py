@@ -274,6 +274,7 @@ ASYNC_DEFAULTS = {
     "age_bound_ms": 250,
     "priority_aging_ms": 1000,
     "deadline_ms": 30000,
+    "deadline_margin_ms": 50,
     "long_lane_from": 128,
 }
 ASYNC_POSITIVE_INTS = sorted(ASYNC_DEFAULTS)
