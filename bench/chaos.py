@@ -731,7 +731,9 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out_dir, "chaos.md"), "w") as f:
         f.write(markdown(report))
     print(markdown(report))
-    overload_ok = "overload" not in report or (report["overload"]["unanswered"] == 0 and report["overload"]["problem_count"] == 0)
+    o = report.get("overload")
+    overload_ok = o is None or (o["unanswered"] == 0 and o["problem_count"] == 0
+                                and o["deadline_misses_among_accepted"] == 0)
     kills_ok = all(k["unanswered"] == 0 and k.get("recovered_s") is not None for k in report["kill"].values())
     return 0 if overload_ok and kills_ok else 1
 
