@@ -123,7 +123,7 @@ class EncoderHandler:
         if report is not None and report.oom_splits:
             self.metrics.cap(batch.bucket, self.cap_for(batch.bucket))
 
-    def _on_async_batch(self, batch, tickets, report, started: float, finished: float) -> None:
+    def _on_scheduled_batch(self, batch, tickets, report, started: float, finished: float) -> None:
         for ticket in tickets:
             self.metrics.queue_wait(batch.bucket, ticket.priority.name.lower(), started - ticket.arrived)
         self._after_batch(batch, report)
@@ -174,6 +174,7 @@ class EncoderHandler:
                        "threads_per_bucket": threads_for or default_threads}
         profile = LatencyProfile(model=model_name, environment=environment)
         run_plan(plan, run_shape, profile)
+        run_shape(plan.shapes[0])  # warmup ends on its largest shapes; the likeliest first request is the smallest
         self.runner.use_threads(default_threads)
         path = os.path.join(model_dir, PROFILE_FILE)
         tmp = f"{path}.{os.getpid()}.tmp"
@@ -194,9 +195,9 @@ class EncoderHandler:
             queue_cap=cfg.queue_cap, age_bound=cfg.age_bound_ms / 1000,
             priority_aging=cfg.priority_aging_ms / 1000,
         )
-        logger.info("tsbatch async scheduler: lanes (buckets, threads) %s, policy %s", lanes, policy)
+        logger.info("tsbatch scheduler (%s mode): lanes (buckets, threads) %s, policy %s", self.mode, lanes, policy)
         return Engine(Scheduler(policy, self.cap_for), self.isolator, [lane for lane, _ in lanes],
-                      deliver=self._deliver, on_batch=self._on_async_batch,
+                      deliver=self._deliver, on_batch=self._on_scheduled_batch,
                       on_lane_start=lambda i: self.runner.use_threads(lanes[i][1], background=i > 0),
                       pass_seconds=self._pass_seconds)
 
