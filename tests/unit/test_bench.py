@@ -1,0 +1,49 @@
+"""The benchmark's own rules (bench/run.py): capacity, saturation, pooling and turn-taking."""
+from bench.loadgen import Result, RunResult
+from bench.run import capacity, passes, pooled, rotated, saturated, summarize
+
+
+def point(rate, p99, sent=100, ok=None, lost=0, throughput=None):
+    ok = sent if ok is None else ok
+    return {"offered_rate": rate, "all": {"p99": p99}, "sent": sent, "ok": ok, "lost": lost,
+            "throughput": rate if throughput is None else throughput, "sent_rate": rate}
+
+
+def test_capacity_is_the_rate_before_the_first_miss():
+    sweep = [point(8, 100), point(16, 200), point(24, 600), point(32, 450)]  # 32: a lucky window past the knee
+    assert capacity(sweep, 500) == 16
+
+
+def test_capacity_counts_failed_answers_as_a_miss():
+    assert capacity([point(8, 100), point(16, 100, ok=99)], 500) == 8
+    assert capacity([point(8, 100, lost=1)], 500) == 0.0
+
+
+def test_capacity_with_every_rate_passing_is_the_top_rate():
+    assert capacity([point(16, 100), point(8, 90)], 500) == 16  # order of points does not matter
+
+
+def test_saturation_needs_more_than_a_missed_target():
+    assert not saturated(point(24, 600), 500)  # past the target, still keeping up: one more rate
+    assert saturated(point(24, 2500), 500)
+    assert saturated(point(24, 400, lost=1), 500)
+    assert saturated(point(24, 400, throughput=18), 500)
+    assert passes(point(24, 400), 500) and not passes(point(24, 501), 500)
+
+
+def test_rotated_gives_each_arm_a_turn_first():
+    arms = ["a", "b", "c"]
+    assert [rotated(arms, t)[0] for t in range(4)] == ["a", "b", "c", "a"]
+    assert sorted(rotated(arms, 5)) == arms
+    assert rotated([], 3) == []
+
+
+def test_pooled_windows_summarize_as_one_sample():
+    def run(latencies, rate=10.0):
+        return RunResult(rate, 10.0, [Result("short", 0.0, lat, 200, tokens=5, padded_to=8) for lat in latencies], 10.0)
+
+    both = summarize(pooled([run([0.01] * 98), run([1.0] * 2)]))
+    assert both["sent"] == 100 and both["ok"] == 100
+    assert both["short"]["p50"] == 10.0 and both["short"]["p99"] == 1000.0
+    assert both["throughput"] == 5.0  # 100 answers over 20 s of windows
+    assert both["padding_waste"] == round(1 - 5 / 8, 4)
