@@ -21,7 +21,7 @@ from archiver.properties import (
     render_properties,
     render_yaml,
 )
-from archiver.tune import Machine, TuneError, Tuning, plan_workers, tune
+from archiver.tune import Machine, TuneError, Tuning, frontend_keys, plan_workers, tune
 from handlers.config import HandlerConfig
 from handlers.errors import ConfigError
 from warmup.profile import PROFILE_FILE, LatencyProfile
@@ -45,12 +45,6 @@ class Request:
 
 
 # model-config.yaml keys of each mode, for builds that skip tuning (tuned builds get them from tune)
-MODE_KEYS = {
-    "continuous": {"continuousBatching": True, "asyncCommunication": False},
-    "async": {"asyncCommunication": True, "continuousBatching": False, "batchSize": 1, "maxBatchDelay": 1},
-}
-
-
 @dataclass(frozen=True)
 class Built:
     """What a command wrote (paths) and the model config it wrote."""
@@ -180,7 +174,8 @@ def archive(request: Request, out: str, settings: Mapping[str, Any], profile_pat
     """model_store/NAME.mar and model_store/config.properties, tuned unless no_tune."""
     properties = os.path.join(out, "config.properties")
     if no_tune:
-        config = model_config(request.section, {**MODE_KEYS[request.mode], **request.overrides})
+        queue_cap = HandlerConfig.from_yaml(request.section).queue_cap
+        config = model_config(request.section, {**frontend_keys(request.mode, queue_cap), **request.overrides})
         mar = build_archive(ArchiveSpec(request.model_dir, request.name, config, out), progress)
         _write(properties, render_properties(ServerSettings(model_store=out, load_models=(f"{request.name}.mar",),
                                                             metrics_config=install_metrics_config(out), **settings)))
@@ -208,7 +203,7 @@ def export_kserve(request: Request, out: str, storage_uri: str | None = None, pr
     store = os.path.dirname(paths.mar)
     kserve.check_store(paths)  # before spending a build on it
     # KServe's envelope calls handle() synchronously and answers one frontend request per batch
-    mode = {"asyncCommunication": False, "continuousBatching": False, "batchSize": 1, "maxBatchDelay": 1}
+    mode = frontend_keys("kserve")
     if no_tune:
         config = model_config(request.section, {**mode, **request.overrides})
         mar = build_archive(ArchiveSpec(request.model_dir, request.name, config, store), progress)

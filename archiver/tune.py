@@ -278,8 +278,7 @@ def tune(profile: LatencyProfile, target_ms: float, machine: Machine, config: Ha
     """All tuned values for this profile, target and machine; TuneError when the target is out of reach.
     `fixed` names the handler keys the user's configuration set: those keep the user's value."""
     fixed = set(fixed)
-    if mode not in MODES:
-        raise TuneError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    frontend = _mode(mode, config.queue_cap)  # first: refuses an unknown mode
     scheduler = mode != "kserve"  # tsbatch's scheduler and lanes form the batches
     if "batch_caps" in fixed:
         raise TuneError("handler.batch_caps is what tune chooses: remove it from the handler configuration, "
@@ -328,7 +327,6 @@ def tune(profile: LatencyProfile, target_ms: float, machine: Machine, config: Ha
         handler["max_wait_ms"] = wait
 
     worst = max(plans, key=lambda p: p.p90_ms)
-    frontend = _mode(mode, config)
     frontend["minWorkers"] = workers
     frontend["maxWorkers"] = Choice(workers.value, "as many as minWorkers: more would oversubscribe the cores "
                                                    "(scale explicitly with PUT /models/NAME if you add hardware)")
@@ -352,15 +350,26 @@ def tune(profile: LatencyProfile, target_ms: float, machine: Machine, config: Ha
     return Tuning(target_ms, machine, mode, frontend, handler, properties, plans)
 
 
-def _mode(mode: str, config: HandlerConfig) -> dict[str, Choice]:
+def frontend_keys(mode: str, queue_cap: int = HandlerConfig.queue_cap) -> dict[str, Any]:
+    """model-config.yaml's batching keys for a mode, the one place every builder takes them from.
+    `default` is TorchServe's own batching: both tsbatch modes off, batchSize and maxBatchDelay the
+    caller's."""
+    if mode == "default":
+        return {"continuousBatching": False, "asyncCommunication": False}
+    return {key: choice.value for key, choice in _mode(mode, queue_cap).items()}
+
+
+def _mode(mode: str, queue_cap: int) -> dict[str, Choice]:
+    if mode not in MODES:
+        raise TuneError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
     if mode == "continuous":
         return {
             "continuousBatching": Choice(True, "tsbatch's scheduler batches by length bucket in the worker and answers "
                                                "each request when its own pass ends; unlike async mode, TorchServe 0.12 "
                                                "restarts a worker that dies in this mode (see the README)"),
             "asyncCommunication": Choice(False, "continuous mode instead: an async worker that dies is never replaced"),
-            "batchSize": Choice(config.queue_cap + INTAKE_ROOM,
-                                f"the requests one worker holds: handler.queue_cap ({config.queue_cap}) waiting plus "
+            "batchSize": Choice(queue_cap + INTAKE_ROOM,
+                                f"the requests one worker holds: handler.queue_cap ({queue_cap}) waiting plus "
                                 f"{INTAKE_ROOM} new ones per call, so past queue_cap tsbatch still sees new requests and "
                                 "answers them 503 with Retry-After"),
             "maxBatchDelay": Choice(1, "how long the frontend waits for company for an idle worker's first request: "

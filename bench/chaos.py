@@ -45,7 +45,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from archiver import server  # noqa: E402
-from archiver.pipeline import MODE_KEYS  # noqa: E402
+from archiver.tune import frontend_keys  # noqa: E402
 from bench.loadgen import _read_response  # noqa: E402
 
 WORKER_HEADER = "x-tsbatch-worker"
@@ -560,10 +560,9 @@ MODELS = {
     "shipped": ({"task": "embedding"}, {}),
     # TorchServe's own batching; fewer buckets keep its warmup (and so its restart) shorter
     "batch": ({"task": "embedding", "buckets": [16, 64, 256], "max_batch_size": 8},
-              {"asyncCommunication": False, "continuousBatching": False, "batchSize": 8, "maxBatchDelay": 50,
-               "minWorkers": 1, "maxWorkers": 1}),
+              {**frontend_keys("default"), "batchSize": 8, "maxBatchDelay": 50, "minWorkers": 1, "maxWorkers": 1}),
     "async": ({"task": "embedding", "buckets": [16, 64, 256], "max_batch_size": 8},
-              {**MODE_KEYS["async"], "minWorkers": 1, "maxWorkers": 1}),
+              {**frontend_keys("async"), "minWorkers": 1, "maxWorkers": 1}),
 }
 
 

@@ -29,14 +29,15 @@ sys.path.insert(0, REPO)
 from archiver import server  # noqa: E402
 from archiver.package import ArchiveSpec, build_archive  # noqa: E402
 from archiver.properties import model_config  # noqa: E402
+from archiver.tune import frontend_keys  # noqa: E402
 from bench.loadgen import RunResult, run_open_loop  # noqa: E402
 from bench.workload import Mix, make_requests, poisson_arrivals  # noqa: E402
 
 FRONTEND = {"batchSize": 8, "maxBatchDelay": 10, "minWorkers": 1, "maxWorkers": 1, "responseTimeout": 120,
             "startupTimeout": 900,  # every arm warms at once on a small machine
-            "asyncCommunication": False, "continuousBatching": False}
-CONTINUOUS_FRONTEND = {**FRONTEND, "batchSize": 96, "maxBatchDelay": 1, "continuousBatching": True}
-ASYNC_FRONTEND = {**FRONTEND, "batchSize": 1, "maxBatchDelay": 1, "asyncCommunication": True}
+            **frontend_keys("default")}
+CONTINUOUS_FRONTEND = {**FRONTEND, **frontend_keys("continuous")}
+ASYNC_FRONTEND = {**FRONTEND, **frontend_keys("async")}
 ARMS = {
     "a": dict(label="control: pad to max_length, FCFS", handler="bench/controls/control_pad_max.py",
               frontend=FRONTEND),

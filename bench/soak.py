@@ -24,7 +24,7 @@ sys.path.insert(0, REPO)
 
 from archiver import server  # noqa: E402
 from archiver.package import ArchiveSpec, build_archive  # noqa: E402
-from archiver.pipeline import MODE_KEYS  # noqa: E402
+from archiver.tune import frontend_keys  # noqa: E402
 from archiver.properties import model_config  # noqa: E402
 from bench.loadgen import _read_response  # noqa: E402
 from bench.workload import Mix, make_requests  # noqa: E402
@@ -111,7 +111,7 @@ def main(argv=None) -> int:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--max-seconds", type=float, default=900)
     parser.add_argument("--checkpoints", type=int, default=10, help="worker/JVM memory samples along the way")
-    parser.add_argument("--mode", choices=sorted(MODE_KEYS), default="continuous",
+    parser.add_argument("--mode", choices=["continuous", "async"], default="continuous",
                         help="how requests reach the scheduler (default: continuous, as shipped)")
     parser.add_argument("--out", help="default: bench/results/soak-MODE.json")
     args = parser.parse_args(argv)
@@ -122,7 +122,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="tsbatch-soak-") as root:
         store = os.path.join(root, "store")
         # the configuration `make serve` ships, as `tsbatch archive --no-tune --mode MODE` writes it
-        build_archive(ArchiveSpec(str(MODEL_DIR), "soak", model_config({"task": "embedding"}, MODE_KEYS[args.mode]),
+        build_archive(ArchiveSpec(str(MODEL_DIR), "soak", model_config({"task": "embedding"}, frontend_keys(args.mode)),
                                   store))
         with server.local_server(os.path.join(root, "server"), store, ["soak"]) as served:
             pid = server.running_pid(served.paths)

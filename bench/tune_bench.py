@@ -42,6 +42,7 @@ sys.path.insert(0, REPO)
 from archiver import server  # noqa: E402
 from archiver.package import ArchiveSpec, build_archive  # noqa: E402
 from archiver.properties import model_config, read_properties  # noqa: E402
+from archiver.tune import frontend_keys  # noqa: E402
 from bench.run import capacity, measure, passes, pooled, rotated, summarize, window  # noqa: E402
 
 
@@ -113,7 +114,7 @@ def grid_arm(root: str, model_dir: str, buckets: list[int], batch: int, delay: i
     began = time.perf_counter()
     store = os.path.join(root, name)
     handler = {"task": "embedding", "buckets": buckets, "max_batch_size": batch}
-    frontend = {"asyncCommunication": False, "continuousBatching": False, "batchSize": batch, "maxBatchDelay": delay, "minWorkers": workers,
+    frontend = {**frontend_keys("default"), "batchSize": batch, "maxBatchDelay": delay, "minWorkers": workers,
                 "maxWorkers": workers, "responseTimeout": 120, "startupTimeout": 900}
     build_archive(ArchiveSpec(model_dir, name, model_config(handler, frontend), store))
     result = serve_and_sweep(root, name, store, rates, duration, target_ms)

@@ -9,17 +9,15 @@ import pytest
 from archiver import server
 from archiver.package import ArchiveSpec, build_archive
 from archiver.properties import model_config
+from archiver.tune import frontend_keys
 
 # A long delay makes concurrent requests meet in one frontend batch; a full batch leaves at once.
-TEST_FRONTEND = {"batchSize": 8, "maxBatchDelay": 500, "minWorkers": 1, "maxWorkers": 2,
-                 "asyncCommunication": False, "continuousBatching": False}
+TEST_FRONTEND = {"batchSize": 8, "maxBatchDelay": 500, "minWorkers": 1, "maxWorkers": 2, **frontend_keys("default")}
 # tsbatch's own scheduler, as shipped: the frontend hands the worker every request it holds plus
 # new ones on each call (continuous batching), tsbatch batches and answers the finished ones.
-CONTINUOUS_FRONTEND = {"batchSize": 96, "maxBatchDelay": 1, "minWorkers": 1, "maxWorkers": 1,
-                       "continuousBatching": True, "asyncCommunication": False}
+CONTINUOUS_FRONTEND = {"minWorkers": 1, "maxWorkers": 1, **frontend_keys("continuous")}
 # tsbatch's own scheduler in async mode: the frontend hands over each request at once.
-ASYNC_FRONTEND = {"batchSize": 1, "maxBatchDelay": 1, "minWorkers": 1, "maxWorkers": 1,
-                  "asyncCommunication": True, "continuousBatching": False}
+ASYNC_FRONTEND = {"minWorkers": 1, "maxWorkers": 1, **frontend_keys("async")}
 MODELS = {
     # name -> (handler section, frontend keys); "minilm" also carries the POISON seam
     # a few buckets keep warmup short in tests; the shipped default has 16
