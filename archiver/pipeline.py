@@ -44,7 +44,6 @@ class Request:
     mode: str = "continuous"  # how requests reach tsbatch's scheduler: "continuous" or "async"
 
 
-# model-config.yaml keys of each mode, for builds that skip tuning (tuned builds get them from tune)
 @dataclass(frozen=True)
 class Built:
     """What a command wrote (paths) and the model config it wrote."""

@@ -78,6 +78,12 @@ def summarize(run: RunResult) -> dict:
     return out
 
 
+def brief(point: dict) -> str:
+    """One progress line for a measured rate."""
+    return (f"rate {point['offered_rate']:>5}: thr {point['throughput']:>6} p99 {point['all']['p99']} "
+            f"short p99 {point['short']['p99']} lost {point['lost']} status {point['status']}")
+
+
 def passes(point: dict, target_ms: float) -> bool:
     """A rate is served within the target: p99 under it, every request answered 200."""
     return (point["all"]["p99"] is not None and point["all"]["p99"] <= target_ms and point["lost"] == 0
@@ -176,8 +182,7 @@ def sweep_interleaved(urls: dict[str, str], rates: list[float], duration: float,
         for arm in rotated(active, turn):
             point = measure(urls[arm], rate, duration, seed=int(rate))
             sweeps[arm].append(point)
-            print(f"arm {arm} rate {rate:>5}: thr {point['throughput']:>6} p99 {point['all']['p99']} "
-                  f"short p99 {point['short']['p99']} lost {point['lost']} status {point['status']}", flush=True)
+            print(f"arm {arm} {brief(point)}", flush=True)
             if saturated(point, target_ms):
                 active.remove(arm)
         if not active:

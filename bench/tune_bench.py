@@ -43,7 +43,7 @@ from archiver import server  # noqa: E402
 from archiver.package import ArchiveSpec, build_archive  # noqa: E402
 from archiver.properties import model_config, read_properties  # noqa: E402
 from archiver.tune import frontend_keys  # noqa: E402
-from bench.run import capacity, measure, passes, pooled, rotated, summarize, window  # noqa: E402
+from bench.run import brief, capacity, measure, passes, pooled, rotated, summarize, window  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -73,8 +73,7 @@ def serve_and_sweep(root: str, name: str, mar_store: str, rates: list[float], du
         for rate in rates:
             point = measure(url, rate, duration, seed=int(rate))
             sweep.append(point)
-            print(f"  {name} rate {rate:>5}: thr {point['throughput']:>6} p99 {point['all']['p99']} "
-                  f"short p99 {point['short']['p99']} lost {point['lost']} status {point['status']}", flush=True)
+            print(f"  {name} {brief(point)}", flush=True)
             if not passes(point, target_ms):
                 break  # past what this arm serves within the target
         return {"name": name, "store": mar_store, "workers": len(workers), "ready_seconds": round(ready_s, 1),
@@ -99,8 +98,7 @@ def head_to_head(root: str, arms: list[dict], rates: list[float], duration: floa
             for name, name_runs in runs.items():
                 point = summarize(pooled(name_runs))
                 results[name].append(point)
-                print(f"  final {name} rate {rate:>5}: p99 {point['all']['p99']} lost {point['lost']} "
-                      f"status {point['status']}", flush=True)
+                print(f"  final {name} {brief(point)}", flush=True)
                 if not passes(point, target_ms):
                     active.remove(name)
             if not active:
