@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from typing import Callable
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -170,20 +171,28 @@ def machine_limit(model_dir: str, seconds: float = 20.0) -> dict:
             "shapes": "tsbatch buckets, batches of up to 8 per bucket (the frontend batchSize)"}
 
 
-def sweep_interleaved(urls: dict[str, str], rates: list[float], duration: float, target_ms: float) -> dict:
+def sweep_interleaved(urls: dict[str, str], rates: list[float], duration: float, target_ms: float,
+                      rounds: int = 1, leaves: Callable[[dict, float], bool] | None = None,
+                      label: str = "arm") -> dict:
     """Every arm at each offered rate in turn (arms interleaved, the first one rotating), so the
-    arms of one run see the same machine. An arm leaves the sweep once saturated (it loses
-    requests, its p99 passes 4x the target or it answers under 85% of what was sent), so the
-    sweep shows its most throughput; its capacity is the rate before the first one that misses the
-    target."""
+    arms of one run see the same machine; with `rounds` > 1 each arm gets that many windows per
+    rate, in turns, pooled. An arm leaves the sweep when `leaves(point, target_ms)` says so: by
+    default once saturated (it loses requests, its p99 passes 4x the target or it answers under
+    85% of what was sent), so the sweep shows its most throughput; its capacity is the rate before
+    the first one that misses the target."""
+    leaves = leaves or saturated
     sweeps: dict[str, list[dict]] = {arm: [] for arm in urls}
     active = list(urls)
     for turn, rate in enumerate(rates):
-        for arm in rotated(active, turn):
-            point = measure(urls[arm], rate, duration, seed=int(rate))
+        runs: dict[str, list[RunResult]] = {arm: [] for arm in active}
+        for round_ in range(rounds):
+            for arm in rotated(active, turn + round_):
+                runs[arm].append(window(urls[arm], rate, duration, seed=100 * round_ + int(rate)))
+        for arm, arm_runs in runs.items():
+            point = summarize(pooled(arm_runs))
             sweeps[arm].append(point)
-            print(f"arm {arm} {brief(point)}", flush=True)
-            if saturated(point, target_ms):
+            print(f"{label} {arm} {brief(point)}", flush=True)
+            if leaves(point, target_ms):
                 active.remove(arm)
         if not active:
             break
@@ -194,15 +203,17 @@ def at_rate_interleaved(urls: dict[str, str], rate: float, duration: float, roun
     """All arms at one rate for `rounds` interleaved windows each, pooled; each round's short p99
     is kept too, so the report shows how much one window's tail moves."""
     runs: dict[str, list[RunResult]] = {arm: [] for arm in urls}
+    rounds_short_p99: dict[str, list] = {arm: [] for arm in urls}
     for turn in range(rounds):
         for arm in rotated(list(urls), turn):
             run = window(urls[arm], rate, duration, seed=7 + turn)
             runs[arm].append(run)
-            print(f"arm {arm} at {rate}/s, round {turn + 1}: short p99 {summarize(run)['short']['p99']}", flush=True)
+            rounds_short_p99[arm].append(summarize(run)["short"]["p99"])
+            print(f"arm {arm} at {rate}/s, round {turn + 1}: short p99 {rounds_short_p99[arm][-1]}", flush=True)
     out = {}
     for arm, arm_runs in runs.items():
         point = summarize(pooled(arm_runs))
-        point["rounds_short_p99"] = [summarize(r)["short"]["p99"] for r in arm_runs]
+        point["rounds_short_p99"] = rounds_short_p99[arm]
         point["short_latencies_ms"] = [r.latency * 1000 for run in arm_runs for r in run.results
                                        if r.status == 200 and r.kind == "short"]
         out[arm] = point

@@ -43,7 +43,7 @@ from archiver import server  # noqa: E402
 from archiver.package import ArchiveSpec, build_archive  # noqa: E402
 from archiver.properties import model_config, read_properties  # noqa: E402
 from archiver.tune import frontend_keys  # noqa: E402
-from bench.run import brief, capacity, measure, passes, pooled, rotated, summarize, window  # noqa: E402
+from bench.run import brief, capacity, measure, passes, sweep_interleaved  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -85,25 +85,12 @@ def head_to_head(root: str, arms: list[dict], rates: list[float], duration: floa
     """The tuned arm and the grid's best again, both served at once and measured in turns at each
     rate (`rounds` windows each, pooled): one search window per rate cannot tell 48 from 56 req/s
     on a shared machine, and arms measured minutes apart meet different machines."""
-    results = {arm["name"]: [] for arm in arms}
     with contextlib.ExitStack() as stack:
         urls = {arm["name"]: stack.enter_context(serving(root, arm["name"], arm["store"], arm.get("properties"),
                                                          tag="-final"))[0] for arm in arms}
-        active = list(urls)
-        for turn, rate in enumerate(rates):
-            runs = {name: [] for name in active}
-            for round_ in range(rounds):
-                for name in rotated(active, turn + round_):
-                    runs[name].append(window(urls[name], rate, duration, seed=100 * round_ + int(rate)))
-            for name, name_runs in runs.items():
-                point = summarize(pooled(name_runs))
-                results[name].append(point)
-                print(f"  final {name} {brief(point)}", flush=True)
-                if not passes(point, target_ms):
-                    active.remove(name)
-            if not active:
-                break
-    return {name: {"sweep": sweep, "capacity": capacity(sweep, target_ms)} for name, sweep in results.items()}
+        sweeps = sweep_interleaved(urls, rates, duration, target_ms, rounds,
+                                   leaves=lambda point, target: not passes(point, target), label="  final")
+    return {name: {"sweep": sweep, "capacity": capacity(sweep, target_ms)} for name, sweep in sweeps.items()}
 
 
 def grid_arm(root: str, model_dir: str, buckets: list[int], batch: int, delay: int, workers: int,
