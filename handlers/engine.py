@@ -4,7 +4,9 @@ Each request becomes a Ticket whose outcome is handed back (`deliver`) as soon a
 finishes: to the coroutine awaiting it in async mode, to the next call in continuous mode. Model
 passes run on lane threads, never on TorchServe's thread. With two lanes, short buckets and long
 buckets run on separate threads that share the cores (the long one at a lower OS priority), so a
-short request never waits for a long pass to end.
+short request never waits for a long pass to end. The long lane also helps: with no long batch
+ready and the short lane busy, it runs the next short batch, so a short request that arrives
+during a short pass does not wait for that pass either (the short lane never runs long batches).
 
 Deadlines are kept twice: a ticket whose pass could not end before its deadline (`pass_seconds`,
 from the latency profile) gets 504 instead of running, and a result that is ready only after the
@@ -49,6 +51,8 @@ class Engine:
         self.on_batch = on_batch or (lambda *args: None)
         self.on_lane_start = on_lane_start or (lambda lane: None)
         self.cond = threading.Condition()
+        self.lanes = [tuple(lane) for lane in lanes]
+        self.busy = [False] * len(self.lanes)  # guarded by cond: lane i is running a pass
         self.threads = [
             threading.Thread(target=self._lane, args=(i, lane), name=f"tsbatch-lane-{i}", daemon=True)
             for i, lane in enumerate(lanes)
@@ -69,19 +73,38 @@ class Engine:
         self.on_lane_start(index)
         while True:
             try:
-                self._step(buckets)
+                self._step(index, buckets)
             except Exception:  # noqa: BLE001 - a lane must outlive any bug in one step
                 logger.exception("tsbatch lane %s: step failed", buckets)
                 time.sleep(0.01)
 
-    def _step(self, buckets: tuple[int, ...]) -> None:
+    def _step(self, index: int, buckets: tuple[int, ...]) -> None:
         with self.cond:
             now = self.clock()
             expired = self.scheduler.expire(now, self.pass_seconds)
             picked = self.scheduler.next_batch(now, buckets)
+            helped = self._helped(index)
+            if picked is None and helped:
+                picked = self.scheduler.next_batch(now, helped)
             if picked is None and not expired:
-                self.cond.wait(timeout=self.scheduler.time_until_ready(now, buckets, self.pass_seconds))
+                self.cond.wait(timeout=self.scheduler.time_until_ready(now, buckets + helped, self.pass_seconds))
                 return
+            if picked is not None:
+                self.busy[index] = True
+                self.cond.notify_all()  # a later lane may now help with what this one leaves queued
+        try:
+            self._run(expired, picked)
+        finally:
+            with self.cond:
+                self.busy[index] = False
+                self.cond.notify_all()  # a lane waiting to help re-checks who is busy
+
+    def _helped(self, index: int) -> tuple[int, ...]:
+        """Buckets of earlier (shorter) lanes that are busy now: lane `index` may run their batches
+        when it has none of its own. Called under cond."""
+        return tuple(b for i in range(index) if self.busy[i] for b in self.lanes[i])
+
+    def _run(self, expired: list[Ticket], picked) -> None:
         for ticket in expired:
             self.deliver(ticket, DeadlineExceeded(
                 "this request could not finish before its deadline (the worker is saturated): "

@@ -62,10 +62,12 @@ class FakeIsolator:
         self.entered = threading.Event()  # set once a blocking call has started
         self.lock = threading.Lock()
         self.calls = []  # batches, in the order their execution started
+        self.threads = []  # the lane thread that ran each call, same order
 
     def execute(self, batch):
         with self.lock:
             self.calls.append(batch)
+            self.threads.append(threading.current_thread().name)
         if batch.bucket in self.block:
             self.entered.set()
             self.release.wait(timeout=30)
@@ -344,6 +346,48 @@ def test_with_two_lanes_a_short_ticket_is_served_while_a_long_pass_runs(make_eng
     isolator.release.set()
     assert deliveries.wait_ticket(long) == ({"text": long.item.text}, 1)
     assert deliveries.wait_ticket(next_long) == ({"text": next_long.item.text}, 2)
+
+
+def test_the_long_lane_runs_a_short_batch_while_the_short_lane_is_busy(make_engine):
+    isolator = FakeIsolator(block=(16,))
+    engine, isolator, deliveries = make_engine(isolator, lanes=split_lanes(EDGES, 128), max_wait=10.0)
+    first = [ticket(16) for _ in range(16)]  # cap 16: ready at once, and its pass blocks the short lane
+    engine.submit(first)
+    assert isolator.entered.wait(WAIT), "the short lane never started its pass"
+    second = [ticket(64) for _ in range(4)]  # cap 4: ready at once
+    engine.submit(second)
+    assert deliveries.wait_for(lambda got: {id(t) for t, _, _ in got} >= set(map(id, second))), \
+        "the second short batch waited for the first short pass although the long lane was idle"
+    assert not isolator.release.is_set() and deliveries.of(first[0]) is None
+    assert isolator.threads == ["tsbatch-lane-0", "tsbatch-lane-1"]
+    isolator.release.set()
+    assert deliveries.wait_count(20)
+
+
+def test_the_long_lane_leaves_short_batches_to_an_idle_short_lane(make_engine):
+    engine, isolator, deliveries = make_engine(lanes=split_lanes(EDGES, 128), max_wait=10.0)
+    for n in range(5):
+        batch = [ticket(64) for _ in range(4)]
+        engine.submit(batch)
+        assert deliveries.wait_count(4 * (n + 1))
+        with engine.cond:  # the lane marks itself idle just after delivering: wait for that
+            assert engine.cond.wait_for(lambda: not any(engine.busy), timeout=WAIT)
+    assert isolator.threads == ["tsbatch-lane-0"] * 5
+
+
+def test_the_long_lane_runs_its_own_batch_before_helping(make_engine):
+    isolator = FakeIsolator(block=(16,))
+    engine, isolator, deliveries = make_engine(isolator, lanes=split_lanes(EDGES, 128), max_wait=10.0)
+    with engine.cond:  # both batches queued before any lane looks: the long lane must pick its own first
+        for t in [ticket(16) for _ in range(16)] + [ticket(64) for _ in range(4)] + [ticket(256)]:
+            engine.scheduler.submit(t)
+        engine.cond.notify_all()
+    assert deliveries.wait_count(5), "the long lane did not run the long batch and then the 64 batch"
+    by_lane = {lane: [b.bucket for b, t in zip(isolator.calls, isolator.threads) if t == lane]
+               for lane in set(isolator.threads)}
+    assert by_lane == {"tsbatch-lane-0": [16], "tsbatch-lane-1": [256, 64]}
+    isolator.release.set()
+    assert deliveries.wait_count(21)
 
 
 def test_with_one_lane_a_short_ticket_waits_for_the_long_pass(make_engine):
