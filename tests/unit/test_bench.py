@@ -1,5 +1,6 @@
 """The benchmark's own rules (bench/run.py): capacity, saturation, pooling and turn-taking."""
 from bench.loadgen import Result, RunResult
+from bench.idle_bench import slowdown
 from bench.run import capacity, passes, pooled, rotated, saturated, summarize
 
 
@@ -47,3 +48,15 @@ def test_pooled_windows_summarize_as_one_sample():
     assert both["short"]["p50"] == 10.0 and both["short"]["p99"] == 1000.0
     assert both["throughput"] == 5.0  # 100 answers over 20 s of windows
     assert both["padding_waste"] == round(1 - 5 / 8, 4)
+
+
+def test_idle_slowdown_is_against_the_shortest_pause_of_the_same_shape_and_threads():
+    rows = [{"bucket": 16, "threads": 1, "pause_ms": 100, "p50_ms": 80.0},
+            {"bucket": 16, "threads": 1, "pause_ms": 1, "p50_ms": 20.0},
+            {"bucket": 16, "threads": 2, "pause_ms": 1, "p50_ms": 10.0},
+            {"bucket": 16, "threads": 2, "pause_ms": 100, "p50_ms": 40.0},
+            {"bucket": 256, "threads": 1, "pause_ms": 1, "p50_ms": 90.0},
+            {"bucket": 256, "threads": 1, "pause_ms": 50, "p50_ms": 99.0}]
+    got = {(r["bucket"], r["threads"], r["pause_ms"]): r["vs_back_to_back"] for r in slowdown(rows)}
+    assert got == {(16, 1, 100): 4.0, (16, 1, 1): 1.0, (16, 2, 1): 1.0, (16, 2, 100): 4.0,
+                   (256, 1, 1): 1.0, (256, 1, 50): 1.1}

