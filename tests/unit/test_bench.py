@@ -60,3 +60,52 @@ def test_idle_slowdown_is_against_the_shortest_pause_of_the_same_shape_and_threa
     got = {(r["bucket"], r["threads"], r["pause_ms"]): r["vs_back_to_back"] for r in slowdown(rows)}
     assert got == {(16, 1, 100): 4.0, (16, 1, 1): 1.0, (16, 2, 1): 1.0, (16, 2, 100): 4.0,
                    (256, 1, 1): 1.0, (256, 1, 50): 1.1}
+
+
+def _counting_server():
+    """A loopback HTTP server that answers after 30 ms and records the most requests it held at once."""
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    state = {"now": 0, "most": 0, "lock": threading.Lock()}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            with state["lock"]:
+                state["now"] += 1
+                state["most"] = max(state["most"], state["now"])
+            time.sleep(0.03)
+            with state["lock"]:
+                state["now"] -= 1
+            body = b'{"tokens": 3}'
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, state
+
+
+def test_one_in_flight_never_sends_a_request_before_the_last_is_answered():
+    from bench.loadgen import run_one_in_flight, run_open_loop
+    from bench.workload import make_requests
+
+    server, state = _counting_server()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/predictions/x"
+        requests = make_requests(8, seed=3)
+        arrivals = [0.001 * i for i in range(8)]  # all due at once
+        run = run_one_in_flight(url, requests, arrivals, rate=1000, duration=0.01)
+        assert [r.status for r in run.results] == [200] * 8 and state["most"] == 1
+        assert all(r.latency < 0.5 for r in run.results)  # each timed from its own send, not from its arrival
+        run_open_loop(url, requests, arrivals, rate=1000, duration=0.01)
+        assert state["most"] > 1  # the contrast: open loop does overlap them
+    finally:
+        server.shutdown()
