@@ -88,43 +88,33 @@ async def _read_response(reader: asyncio.StreamReader) -> tuple[int, dict, bytes
     return status, headers, await reader.read(-1)
 
 
-async def _run(url: str, requests: list[Request], arrivals: list[float], timeout: float) -> list[Result]:
+async def _run(url: str, requests: list[Request], arrivals: list[float], timeout: float,
+               one_in_flight: bool = False) -> list[Result]:
     hostport, _, path = url.removeprefix("http://").partition("/")
     host, _, port = hostport.partition(":")
     start = time.perf_counter()
-    tasks = []
+    results, tasks = [], []
     for request, at in zip(requests, arrivals):
         delay = at - (time.perf_counter() - start)
         if delay > 0:
             await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(_one(host, int(port), "/" + path, request, at, timeout)))
-    return list(await asyncio.gather(*tasks))
+        send = _one(host, int(port), "/" + path, request, at, timeout)
+        if one_in_flight:
+            results.append(await send)
+        else:
+            tasks.append(asyncio.create_task(send))
+    return results + list(await asyncio.gather(*tasks))
 
 
 def run_open_loop(url: str, requests: list[Request], arrivals: list[float], rate: float,
-                  duration: float, timeout: float = 60.0) -> RunResult:
+                  duration: float, timeout: float = 60.0, one_in_flight: bool = False) -> RunResult:
     started = time.perf_counter()
-    results = asyncio.run(_run(url, requests, arrivals, timeout))
+    results = asyncio.run(_run(url, requests, arrivals, timeout, one_in_flight))
     return RunResult(rate, duration, results, time.perf_counter() - started)
-
-
-async def _run_one_in_flight(url: str, requests: list[Request], arrivals: list[float], timeout: float) -> list[Result]:
-    hostport, _, path = url.removeprefix("http://").partition("/")
-    host, _, port = hostport.partition(":")
-    start = time.perf_counter()
-    results = []
-    for request, at in zip(requests, arrivals):
-        delay = at - (time.perf_counter() - start)
-        if delay > 0:
-            await asyncio.sleep(delay)
-        results.append(await _one(host, int(port), "/" + path, request, at, timeout))
-    return results
 
 
 def run_one_in_flight(url: str, requests: list[Request], arrivals: list[float], rate: float,
                       duration: float, timeout: float = 60.0) -> RunResult:
     """The same arrivals, but a request leaves only once the one before it is answered: the server
     never holds two, so latency is what one request costs after the idle gap it found (no queueing)."""
-    started = time.perf_counter()
-    results = asyncio.run(_run_one_in_flight(url, requests, arrivals, timeout))
-    return RunResult(rate, duration, results, time.perf_counter() - started)
+    return run_open_loop(url, requests, arrivals, rate, duration, timeout, one_in_flight=True)
