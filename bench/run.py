@@ -231,7 +231,7 @@ def floor(urls: dict[str, str], rate: float, duration: float) -> dict:
     for arm, url in urls.items():
         point = summarize(window(url, rate, duration, seed=7, load=run_one_in_flight))
         out[arm] = {"short": point["short"], "ok": point["ok"], "sent": point["sent"]}
-        print(f"arm {arm} at {rate}/s, one short request in flight: {point['short']}", flush=True)
+        print(f"arm {arm} at {rate}/s, one request in flight, short requests: {point['short']}", flush=True)
     return out
 
 
