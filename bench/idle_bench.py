@@ -34,9 +34,7 @@ def slowdown(rows: list[dict]) -> list[dict]:
 
 
 def measure(runner, bucket: int, threads: int, pause_ms: float, samples: int) -> dict:
-    import torch
-
-    torch.set_num_threads(threads)
+    runner.use_threads(threads)
     batch = runner.synthetic_batch(1, bucket)
     for _ in range(3):
         runner.run(batch)
