@@ -84,6 +84,10 @@ class EncoderHandler:
         self.metrics = Metrics(getattr(context, "metrics", None), context.model_name, self._gpu_sampler())
         self.isolator = Isolator(self._timed_run, self.config.isolation_budget, OomCaps())
         self.mode = serving_mode(yaml_config)
+        if self.mode == "continuous":  # joined before warmup: siblings see this worker long before it polls
+            from handlers.siblings import Siblings
+
+            self.siblings = Siblings(model_dir).join()
         lanes = self._lanes() if self.mode != "default" else None
         self.profile = None
         if self.config.warmup:
@@ -268,18 +272,21 @@ class EncoderHandler:
         sizes = [1] * len(data)
         padded = [0] * len(data)
         try:
+            alone = self.siblings.alone()
             new = [i for i in range(len(data)) if ids.get(i) not in self.running]
             items = self.tokenize(self.parse(data, context, outcomes, new), outcomes)
             mine = [ids.get(i) for i in range(len(data))]
             with self.finished_cond:  # held while admitting, so no lane can finish a ticket not yet in `running`
                 for item in items:
                     rid = ids[item.index]
-                    ticket = self._admit(item, context, arrived, lambda o, n, rid=rid: self._finish(rid, o, n), outcomes)
+                    ticket = self._admit(item, context, arrived, lambda o, n, rid=rid: self._finish(rid, o, n),
+                                         outcomes, may_wait=alone)
                     if ticket is not None:
                         self.running[rid] = ticket
-                if all(outcome is None for outcome in outcomes):
-                    self.finished_cond.wait_for(lambda: any(rid in self.finished for rid in mine),
-                                                timeout=self.config.poll_ms / 1000)
+                if alone and all(outcome is None for outcome in outcomes):
+                    self._wait_for_one(mine)
+                if not (alone and self.siblings.alone()):
+                    self._wait_for_all(mine)
                 for index, rid in enumerate(mine):
                     if rid in self.finished:
                         outcomes[index], sizes[index] = self.finished.pop(rid)
@@ -295,6 +302,34 @@ class EncoderHandler:
                 del ids[index]  # still running: no reply now, the frontend sends it again
         return self.answer(outcomes, context, sizes, padded)
 
+    def _wait_for_one(self, mine: list) -> None:
+        """Continuous mode, the model's only worker: wait until one of this call's requests is
+        done, or `poll_ms` passed while a lane is idle (a new request could run now, so go back
+        to the frontend for it). While every lane is busy a newcomer could not start sooner, so
+        the call waits on instead of re-polling. Called under finished_cond."""
+        poll = self.config.poll_ms / 1000
+        while not self.finished_cond.wait_for(lambda: any(rid in self.finished for rid in mine), timeout=poll):
+            if self.engine.idle_lanes():
+                return
+
+    def _wait_for_all(self, mine: list) -> None:
+        """Continuous mode with siblings: answer every request of the call in this one reply.
+        TorchServe re-polls a worker holding requests under the model lock that an idle sibling
+        keeps while it waits for the next arrival, so a request left with the frontend could
+        wait for that arrival (handlers/siblings.py). Bounded by the requests' deadlines: what is
+        still running a second past the last one is answered 504 here. Called under finished_cond."""
+        running = [self.running[rid] for rid in mine if rid in self.running]
+        deadlines = [t.deadline for t in running if t.deadline is not None]
+        timeout = max(deadlines) - time.monotonic() + 1.0 if len(deadlines) == len(running) and deadlines else None
+        done = self.finished_cond.wait_for(
+            lambda: all(rid in self.finished for rid in mine if rid in self.running), timeout=timeout)
+        if not done:
+            late = DeadlineExceeded("this request could not finish before its deadline (the worker is saturated): "
+                                    "raise X-Deadline-Ms or retry")
+            for rid in mine:
+                if rid in self.running and rid not in self.finished:
+                    self.finished[rid] = (late, 0)
+
     def _finish(self, rid: str, outcome: Any, batch_size: int) -> None:
         """From a lane thread: a continuous-mode request is done; wake the call waiting for it."""
         with self.finished_cond:
@@ -302,10 +337,11 @@ class EncoderHandler:
                 self.finished[rid] = (outcome, batch_size)
                 self.finished_cond.notify_all()
 
-    def _admit(self, item: Item, context, arrived: float, settle, outcomes: list) -> Ticket | None:
+    def _admit(self, item: Item, context, arrived: float, settle, outcomes: list, may_wait: bool = True) -> Ticket | None:
         """Queue the item in the scheduler, or record why it cannot be (bad headers, full queue)."""
         try:
             ticket = self._ticket(item, context, arrived, settle)
+            ticket.may_wait = may_wait
             self.engine.submit([ticket])
             return ticket
         except ServingError as error:

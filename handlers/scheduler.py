@@ -38,13 +38,16 @@ class Priority(enum.IntEnum):
 
 @dataclass(eq=False)
 class Ticket:
-    """A request waiting in the scheduler; `payload` is the caller's (e.g. a future)."""
+    """A request waiting in the scheduler; `payload` is the caller's (e.g. a future).
+    `may_wait` is False when no other request can reach the worker before this one is answered
+    (continuous mode with sibling workers): waiting for company would only add latency."""
 
     item: Item
     arrived: float
     priority: Priority = Priority.NORMAL
     deadline: float | None = None
     payload: Any = None
+    may_wait: bool = True
 
     def effective_priority(self, now: float, aging: float) -> float:
         """The class this ticket counts as now: one whole class better per `aging` seconds waited,
@@ -103,7 +106,7 @@ class Scheduler:
         queue = self.queues[bucket]
         if not queue:
             return False
-        if len(queue) >= self._cap_for(bucket):
+        if len(queue) >= self._cap_for(bucket) or not all(t.may_wait for t in queue):
             return True
         oldest = min(t.arrived for t in queue)
         return now - oldest >= self.policy.wait_for(bucket)
@@ -140,7 +143,8 @@ class Scheduler:
                 continue
             if bucket in allowed:
                 oldest = min(t.arrived for t in queue)
-                waits.append(oldest + self.policy.wait_for(bucket) - now)
+                wait = self.policy.wait_for(bucket) if all(t.may_wait for t in queue) else 0.0
+                waits.append(oldest + wait - now)
             ahead = lead(bucket) if lead else 0.0
             waits.extend(t.deadline - ahead - now for t in queue if t.deadline is not None)
         return max(0.0, min(waits)) if waits else None

@@ -3,7 +3,11 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import shutil
+import tempfile
+import threading
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -27,13 +31,14 @@ def make_context(model_dir: str, handler: dict, batch_size: int = 8, name: str =
                    model_yaml_config={**(frontend or {}), "handler": handler})
 
 
-def load_handler(model_dir: str, frontend: dict | None = None, **handler):
+def load_handler(model_dir: str, frontend: dict | None = None, archive_dir: str | None = None, **handler):
     """An EncoderHandler initialized on a TorchServe-shaped context; warmup off unless asked
-    (warmup has its own tests and would slow the rest)."""
+    (warmup has its own tests and would slow the rest). `archive_dir` plays TorchServe's extracted
+    archive, which every worker of one model shares: a fresh one per handler unless given."""
     from handlers.encoder_handler import EncoderHandler
 
     handler = {"task": "embedding", "model_dir": model_dir, "warmup": False, **handler}
-    context = make_context(model_dir, handler, frontend=frontend)
+    context = make_context(archive_dir or tempfile.mkdtemp(prefix="tsbatch-archive-"), handler, frontend=frontend)
     loaded = EncoderHandler()
     loaded.initialize(context)
     return loaded, context
@@ -112,6 +117,92 @@ class ContinuousFrontend:
                 raise AssertionError(f"{len(self.waiting)} requests unanswered after {max_calls} calls")
             self.step()
         return self.replies
+
+
+class SharedQueueFrontend:
+    """TorchServe 0.12's continuous batching with several workers of one model, where it matters
+    for them (wlm/ContinuousBatching.java, Model.pollInferJob): one job queue and one model-wide
+    lock. Each worker is a thread that, like WorkerThread, takes the lock to poll, calls handle()
+    and polls again. A worker holding no requests blocks for the first one *while holding the
+    lock*, then takes more for up to `max_batch_delay`; a worker still holding requests needs the
+    lock too, and then takes only what is queued. So a worker that returns with requests
+    unfinished waits for the lock until a new request reaches an idle sibling."""
+
+    def __init__(self, workers: Sequence[tuple], batch_size: int = 96, max_batch_delay: float = 0.001):
+        self.jobs: queue.Queue = queue.Queue()
+        self.lock = threading.Lock()
+        self.batch_size, self.max_batch_delay = batch_size, max_batch_delay
+        self.replies: dict[str, Reply] = {}
+        self.answered_at: dict[str, float] = {}
+        self.calls = [0] * len(workers)
+        self.answered = threading.Condition()
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._worker, args=(i, h, c), daemon=True, name=f"fake-worker-{i}")
+                         for i, (h, c) in enumerate(workers)]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, rid: str, payload: Any, content_type: str = "text/plain") -> None:
+        self.jobs.put((rid, _row(payload, content_type)))
+
+    def wait(self, rids: Sequence[str], timeout: float) -> bool:
+        """True once every request in `rids` is answered; False after `timeout` seconds."""
+        with self.answered:
+            return self.answered.wait_for(lambda: all(r in self.replies for r in rids), timeout=timeout)
+
+    def close(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(5)
+
+    def _poll(self, held: dict) -> None:
+        with self.lock:
+            quota = self.batch_size - len(held)
+            if not held:
+                while True:  # Long.MAX_VALUE, holding the lock
+                    try:
+                        rid, row = self.jobs.get(timeout=0.05)
+                        break
+                    except queue.Empty:
+                        if self._stop.is_set():
+                            return
+                held[rid] = row
+                quota -= 1
+                until = time.monotonic() + self.max_batch_delay
+                while quota > 0:
+                    try:
+                        rid, row = self.jobs.get(timeout=max(0.0, until - time.monotonic()))
+                    except queue.Empty:
+                        break
+                    held[rid] = row
+                    quota -= 1
+            else:
+                while quota > 0:
+                    try:
+                        rid, row = self.jobs.get_nowait()
+                    except queue.Empty:
+                        break
+                    held[rid] = row
+                    quota -= 1
+
+    def _worker(self, index: int, handler, context) -> None:
+        held: dict[str, tuple] = {}
+        while not self._stop.is_set():
+            self._poll(held)
+            if not held:
+                continue
+            order = list(held)
+            context.request_processor = [held[rid][1] for rid in order]
+            context.request_ids = dict(enumerate(order))
+            bodies = handler.handle([held[rid][0] for rid in order], context)
+            self.calls[index] += 1
+            with self.answered:
+                for i, rid in context.request_ids.items():
+                    status, _phrase = context.get_response_status(i)
+                    self.replies[rid] = Reply(status, json.loads(bodies[i]), context.get_response_headers(i))
+                    self.answered_at[rid] = time.monotonic()
+                    del held[rid]
+                self.answered.notify_all()
 
 
 def build_tiny_model(path: str, task: str, source_dir: str, seed: int = 0) -> str:

@@ -20,6 +20,10 @@ PURE = [
     "handlers.isolate",
     "handlers.entities",
     "handlers.errors",
+    "handlers.scheduler",
+    "handlers.engine",
+    "handlers.metrics",
+    "handlers.siblings",
 ]
 HEAVY = ["torch", "transformers", "ts"]  # ts is TorchServe's Python package
 

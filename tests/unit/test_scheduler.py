@@ -505,3 +505,19 @@ def test_time_until_ready_only_looks_at_the_given_buckets():
     assert s.time_until_ready(0.0, LONG_LANE) == pytest.approx(3.0)
     s.submit(ticket(32, arrived=0.0))
     assert s.time_until_ready(0.0, SHORT_LANE) == pytest.approx(0.5)
+
+
+def test_a_ticket_that_may_not_wait_makes_its_bucket_ready_at_once():
+    """Continuous mode with siblings: no request can join before the call is answered, so
+    waiting for company would only add latency."""
+    scheduler = Scheduler(policy(max_wait=0.5))
+    waiting = ticket(16, arrived=0.0)
+    scheduler.submit(waiting)
+    assert scheduler.next_batch(0.1) is None
+    assert scheduler.time_until_ready(0.1) == pytest.approx(0.4)
+    closed = ticket(16, arrived=0.1)
+    closed.may_wait = False
+    scheduler.submit(closed)
+    assert scheduler.time_until_ready(0.1) == 0.0
+    batch, tickets = scheduler.next_batch(0.1)
+    assert tickets == [waiting, closed] and batch.bucket == 16

@@ -1,0 +1,105 @@
+"""Which workers of this model are alive: a lock file per worker in the model's shared directory.
+
+Continuous mode needs it. TorchServe 0.12's continuous-batching frontend re-polls a worker that
+still holds requests under the model-wide lock, and an idle sibling blocks inside that same lock
+until a new request arrives (wlm/Model.pollInferJob). So a worker that returns with requests
+unfinished while a sibling exists can strand them until the next arrival. A worker therefore
+asks, before every partial return, whether it is alone.
+
+Every worker of one model shares the extracted archive directory. Each one holds an exclusive
+`flock` on its own file there for as long as it lives; the kernel drops the lock when the process
+exits, however it dies (SIGKILL, OOM killer, scale-down), so a file whose lock can be taken is a
+dead worker's and is removed. No pids are trusted, so pid reuse cannot fake a sibling.
+
+A new worker joins at the start of initialize(), seconds before it can poll for requests (it
+loads and warms first), so its siblings stop returning early before it could take the lock.
+Pure: no torch, no TorchServe; the clock is injected for tests.
+"""
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import time
+import uuid
+from typing import Callable
+
+logger = logging.getLogger(__name__)
+
+FOLDER = ".tsbatch-workers"
+
+
+class Siblings:
+    """This worker's entry in the model's registry, and a cached count of the other live ones."""
+
+    def __init__(self, model_dir: str, ttl: float = 0.2, clock: Callable[[], float] = time.monotonic):
+        self.folder = os.path.join(model_dir, FOLDER)
+        self.ttl = ttl  # a joining worker needs seconds before it can poll, so a short cache is safe
+        self.clock = clock
+        self.name = f"{os.getpid()}-{uuid.uuid4().hex[:8]}.lock"
+        self._fd: int | None = None
+        self._count = 0
+        self._checked = float("-inf")
+
+    def join(self) -> "Siblings":
+        os.makedirs(self.folder, exist_ok=True)
+        # locked under a temporary name, then renamed: no sibling ever sees this file unlocked
+        # (and takes it for a dead worker's)
+        staging = os.path.join(self.folder, self.name + ".new")
+        fd = os.open(staging, os.O_CREAT | os.O_RDWR, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.rename(staging, os.path.join(self.folder, self.name))
+        self._fd = fd
+        self._checked = float("-inf")
+        return self
+
+    def leave(self) -> None:
+        if self._fd is None:
+            return
+        try:
+            os.unlink(os.path.join(self.folder, self.name))
+        except OSError:
+            pass
+        os.close(self._fd)
+        self._fd = None
+
+    def others(self) -> int:
+        """Live workers of this model besides this one (0 when the registry cannot be read:
+        a worker that cannot see siblings behaves as it did before this registry existed)."""
+        now = self.clock()
+        if now - self._checked < self.ttl:
+            return self._count
+        try:
+            names = [n for n in os.listdir(self.folder) if n.endswith(".lock") and n != self.name]
+        except OSError:
+            names = []
+        self._count = sum(1 for name in names if _alive(os.path.join(self.folder, name)))
+        self._checked = now
+        return self._count
+
+    def alone(self) -> bool:
+        return self.others() == 0
+
+
+def _alive(path: str) -> bool:
+    """True while the worker that created `path` lives (it holds the file's lock); a dead
+    worker's file is removed."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return False  # removed meanwhile: its worker left
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    else:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        logger.info("tsbatch: removed %s, left by a worker that is gone", os.path.basename(path))
+        return False
+    finally:
+        os.close(fd)

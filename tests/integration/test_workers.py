@@ -1,0 +1,108 @@
+"""Continuous mode with several workers of one model, under a frontend that locks like TorchServe's.
+
+tests.support.SharedQueueFrontend plays TorchServe 0.12's continuous batching for N workers: one
+queue, one model-wide lock that an idle worker keeps while it waits for the next request. The
+first test shows the fake strands requests the way the real frontend did (a worker that went back
+with a request unfinished waits until another request arrives); the others show that tsbatch's
+workers, which know their siblings, never do. tests/e2e/test_workers.py checks the same through
+a real torchserve.
+"""
+from __future__ import annotations
+
+import tempfile
+import time
+
+import pytest
+
+from tests.support import SharedQueueFrontend, cosine, load_handler
+
+pytestmark = pytest.mark.integration
+
+CONTINUOUS = {"continuousBatching": True, "batchSize": 96, "maxBatchDelay": 1}
+LONG = " ".join(["a rather long sentence about nothing in particular"] * 60)
+
+
+def workers(minilm_dir: str, count: int, **handler):
+    archive = tempfile.mkdtemp(prefix="tsbatch-shared-archive-")
+    return [load_handler(minilm_dir, frontend=CONTINUOUS, archive_dir=archive, **handler) for _ in range(count)]
+
+
+@pytest.fixture(scope="module")
+def reference(minilm_dir):
+    from tests.support import call
+
+    handler, context = load_handler(minilm_dir)
+    return lambda text: call(handler, context, [text])[0].body["embedding"]
+
+
+def test_the_fake_frontend_strands_a_request_left_with_it_while_a_sibling_idles(minilm_dir):
+    """Without sibling awareness (both workers told they are alone), a lone request that waits for
+    company goes back to the frontend unfinished, and its worker's re-poll waits for the lock the
+    idle sibling holds: no answer until the next request arrives. This is TorchServe's behaviour
+    the fake must show, or the tests below prove nothing."""
+    pair = workers(minilm_dir, 2, max_wait_ms=300, poll_ms=5)
+    for handler, _ in pair:
+        handler.siblings.alone = lambda: True
+    frontend = SharedQueueFrontend(pair)
+    try:
+        frontend.submit("lone", "a lone request")
+        assert not frontend.wait(["lone"], timeout=2.0), "answered: the fake does not lock like TorchServe"
+        frontend.submit("next", "the next request")  # frees the lock: "lone" goes on (and "next" strands)
+        assert frontend.wait(["lone"], timeout=30)
+        assert frontend.replies["lone"].status == 200
+    finally:
+        frontend.close()
+
+
+@pytest.mark.parametrize("count", [2, 3])
+def test_lone_requests_are_answered_without_waiting_for_the_next_one(minilm_dir, reference, count):
+    pool = workers(minilm_dir, count, max_wait_ms=300, poll_ms=5)
+    assert all(handler.siblings.others() == count - 1 for handler, _ in pool)
+    frontend = SharedQueueFrontend(pool)
+    try:
+        for i, text in enumerate(["a short one", LONG, "another short request", LONG + " again"]):
+            frontend.submit(f"r{i}", text)
+            assert frontend.wait([f"r{i}"], timeout=30), f"request {i} was not answered while alone"
+            reply = frontend.replies[f"r{i}"]
+            assert reply.status == 200 and cosine(reply.body["embedding"], reference(text)) >= 0.9999
+    finally:
+        frontend.close()
+
+
+def test_a_mixed_burst_over_three_workers_is_answered_in_full(minilm_dir, reference):
+    pool = workers(minilm_dir, 3, poll_ms=5, fault_injection={"substring": "POISON"})
+    frontend = SharedQueueFrontend(pool)
+    texts = [LONG + f" {i}" if i % 4 == 0 else f"burst request {i}" for i in range(24)]
+    texts[5] = "POISON here"
+    try:
+        for i, text in enumerate(texts):
+            frontend.submit(f"b{i}", text)
+        assert frontend.wait([f"b{i}" for i in range(24)], timeout=120)
+        statuses = [frontend.replies[f"b{i}"].status for i in range(24)]
+        assert statuses == [500 if i == 5 else 200 for i in range(24)]
+        for i in (0, 1, 7):
+            assert cosine(frontend.replies[f"b{i}"].body["embedding"], reference(texts[i])) >= 0.9999
+        for handler, _ in pool:
+            assert handler.running == {} and handler.finished == {}
+    finally:
+        frontend.close()
+
+
+def test_a_worker_alone_still_answers_a_short_request_during_a_long_pass(minilm_dir):
+    """One worker keeps continuous mode's early answers: the short request is answered while the
+    long pass it arrived behind still runs."""
+    (handler, context), = workers(minilm_dir, 1, poll_ms=5)
+    assert handler.siblings.alone()
+    frontend = SharedQueueFrontend([(handler, context)])
+    try:
+        for i in range(8):
+            frontend.submit(f"long{i}", LONG + f" {i}")
+        started = time.monotonic()
+        while not handler.engine.busy[-1]:  # the long lane has started its pass
+            assert time.monotonic() - started < 30, "the long pass never started"
+            time.sleep(0.001)
+        frontend.submit("short", "a short request")
+        assert frontend.wait(["short"] + [f"long{i}" for i in range(8)], timeout=60)
+        assert frontend.answered_at["short"] < min(frontend.answered_at[f"long{i}"] for i in range(8))
+    finally:
+        frontend.close()

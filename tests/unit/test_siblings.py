@@ -1,0 +1,68 @@
+"""The sibling registry: live workers of one model seen through lock files, dead ones forgotten."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from handlers.siblings import FOLDER, Siblings
+
+pytestmark = pytest.mark.unit
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+JOIN_AND_WAIT = """
+import sys, time
+from handlers.siblings import Siblings
+Siblings(sys.argv[1]).join()
+print("joined", flush=True)
+time.sleep(600)
+"""
+
+
+def test_workers_of_one_model_see_each_other_and_not_other_models(tmp_path):
+    a = Siblings(str(tmp_path / "model-a"), ttl=0).join()
+    assert a.alone()
+    b = Siblings(str(tmp_path / "model-a"), ttl=0).join()
+    other = Siblings(str(tmp_path / "model-b"), ttl=0).join()
+    assert a.others() == 1 and b.others() == 1 and other.alone()
+    b.leave()
+    assert a.alone()
+
+
+def test_a_killed_worker_stops_counting_and_its_file_is_removed(tmp_path):
+    me = Siblings(str(tmp_path), ttl=0).join()
+    child = subprocess.Popen([sys.executable, "-c", JOIN_AND_WAIT, str(tmp_path)], cwd=REPO,
+                             env={**os.environ, "PYTHONPATH": REPO}, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "joined"
+        assert me.others() == 1
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(10)
+        assert me.others() == 0
+        assert os.listdir(tmp_path / FOLDER) == [me.name]
+    finally:
+        if child.poll() is None:
+            child.kill()
+
+
+def test_the_count_is_cached_for_ttl_seconds(tmp_path):
+    now = [0.0]
+    me = Siblings(str(tmp_path), ttl=0.2, clock=lambda: now[0]).join()
+    assert me.others() == 0
+    sibling = Siblings(str(tmp_path)).join()
+    now[0] = 0.1
+    assert me.others() == 0  # still the cached count
+    now[0] = 0.3
+    assert me.others() == 1
+    sibling.leave()
+
+
+def test_a_file_that_is_not_locked_is_a_dead_workers(tmp_path):
+    me = Siblings(str(tmp_path), ttl=0).join()
+    stale = tmp_path / FOLDER / "12345-deadbeef.lock"
+    stale.write_text("")
+    assert me.others() == 0 and not stale.exists()
