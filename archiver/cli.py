@@ -70,7 +70,8 @@ def _profile_choice(parser: argparse.ArgumentParser) -> None:
 def _server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--token-auth", action="store_true",
                         help="turn TorchServe's token authorization on (off by default: loopback only)")
-    for name, port in (("inference", 8080), ("management", 8081), ("metrics", 8082)):
+    for name, port in (("inference", 8080), ("management", 8081), ("metrics", 8082),
+                       ("grpc-inference", 7070), ("grpc-management", 7071)):
         parser.add_argument(f"--{name}-port", type=int, default=port, help=f"default {port}")
 
 
@@ -196,7 +197,8 @@ def _request(args, task: str | None = None, need_model: bool = True) -> pipeline
 
 def _settings(args) -> dict:
     return {"token_auth": args.token_auth, "inference_port": args.inference_port,
-            "management_port": args.management_port, "metrics_port": args.metrics_port}
+            "management_port": args.management_port, "metrics_port": args.metrics_port,
+            "grpc_inference_port": args.grpc_inference_port, "grpc_management_port": args.grpc_management_port}
 
 
 def _show_tuning(tuning) -> None:

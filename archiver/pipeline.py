@@ -17,6 +17,7 @@ from archiver.package import ArchiveSpec, build_archive, check_model_dir
 from archiver.properties import (
     ServerSettings,
     install_metrics_config,
+    install_log_config,
     model_config,
     render_properties,
     render_yaml,
@@ -177,7 +178,7 @@ def archive(request: Request, out: str, settings: Mapping[str, Any], profile_pat
         config = model_config(request.section, {**frontend_keys(request.mode, queue_cap), **request.overrides})
         mar = build_archive(ArchiveSpec(request.model_dir, request.name, config, out), progress)
         _write(properties, render_properties(ServerSettings(model_store=out, load_models=(f"{request.name}.mar",),
-                                                            metrics_config=install_metrics_config(out), **settings)))
+                                                            metrics_config=install_metrics_config(out), log_config=install_log_config(out), **settings)))
         return Built(properties, config, mar)
     profile = _obtain_profile(request, profile_path, progress)
     tuning, source = tune_for(request, profile)
@@ -186,7 +187,7 @@ def archive(request: Request, out: str, settings: Mapping[str, Any], profile_pat
     spec = ArchiveSpec(request.model_dir, request.name, config, out, extra_files={PROFILE_FILE: kept}, config_text=text)
     mar = build_archive(spec, progress)
     _write(properties, render_properties(ServerSettings(model_store=out, load_models=(f"{request.name}.mar",),
-                                                        metrics_config=install_metrics_config(out),
+                                                        metrics_config=install_metrics_config(out), log_config=install_log_config(out),
                                                         tuned=tuning.property_entries(), **settings)))
     return Built(properties, config, mar, tuning=tuning, profile_path=kept)
 

@@ -43,6 +43,7 @@ class ServerSettings:
     max_request_size: int = 1 << 20
     max_response_size: int = 6553500
     metrics_config: str | None = None  # tsbatch's metrics yaml (install_metrics_config); None keeps TorchServe's
+    log_config: str | None = None  # tsbatch's log4j2.xml (install_log_config); None keeps TorchServe's
     tuned: tuple[tuple[str, str, str], ...] = ()  # (key, value, reason) chosen by archiver.tune
 
 
@@ -68,6 +69,8 @@ def render_properties(settings: ServerSettings) -> str:
         max_response_size=settings.max_response_size,
         metrics_config_line=(f"metrics_config={os.path.abspath(settings.metrics_config)}"
                              if settings.metrics_config else "# metrics_config: TorchServe's default"),
+        log_config_line=(f"vmargs=-Dlog4j.configurationFile=file://{os.path.abspath(settings.log_config)}"
+                         if settings.log_config else "# log4j2.xml: TorchServe's default"),
     ) + render_tuned(settings.tuned)
 
 
@@ -102,6 +105,16 @@ def install_metrics_config(model_store: str) -> str:
     os.makedirs(model_store, exist_ok=True)
     path = os.path.join(os.path.abspath(model_store), "metrics.yaml")
     shutil.copyfile(os.path.join(CONFIGS, "metrics.yaml"), path)
+    return path
+
+
+def install_log_config(model_store: str) -> str:
+    """Copy configs/log4j2.xml (TorchServe's logging without its per-call lines) next to the archives."""
+    import shutil
+
+    os.makedirs(model_store, exist_ok=True)
+    path = os.path.join(os.path.abspath(model_store), "log4j2.xml")
+    shutil.copyfile(os.path.join(CONFIGS, "log4j2.xml"), path)
     return path
 
 

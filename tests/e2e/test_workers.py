@@ -1,0 +1,242 @@
+"""Several workers of one model, served exactly as `tsbatch archive` builds it, through a real torchserve.
+
+The archives come from the CLI a user runs (`tsbatch profile` once, then `tsbatch archive
+--profile` for this 2-core machine and for an 8-core one with `--cores 8`), each served with its
+own generated config.properties and model-config.yaml; only the ports are chosen free. Workers are
+scaled the README's way, with the management API. A request must never wait for another request
+to arrive (TorchServe 0.12's continuous batching re-polls a worker under the lock an idle sibling
+holds): lone requests are sent with idle gaps, and each must be answered well inside its gap.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+
+from archiver import server
+from bench.chaos import Load, wait_until, worker_pids
+from handlers.encoder_handler import WORKER_HEADER
+from tests.support import cosine
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+NAME = "minilm"
+SHORT = "How do I scale TorchServe workers without losing requests?"
+LONG = " ".join(["A much longer passage about serving models, batching requests by length and warming"
+                 " every shape before the worker reports that it is ready."] * 9)
+GAPS = (0.2, 1.5, 3.0, 0.5, 1.0, 2.0)
+# a lone request stranded by a sibling waits for the next arrival, i.e. its whole gap: answers must
+# come well inside the shortest long gap (1 s)
+STRANDED_S = 0.9
+
+
+def tsbatch(*args: str) -> None:
+    subprocess.run([sys.executable, "-m", "archiver", *args], check=True, cwd=REPO, timeout=900,
+                   stdout=subprocess.DEVNULL)
+
+
+@pytest.fixture(scope="module")
+def profile(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("profile") / "profile.json")
+    tsbatch("profile", "--name", NAME, "--out", path)
+    return path
+
+
+def serve_built(root, profile: str, *extra: str):
+    """`tsbatch archive` into root/store with free ports, then torchserve with what it wrote."""
+    ports = server.free_ports(5)
+    store = str(root / "store")
+    tsbatch("archive", "--name", NAME, "--out", store, "--profile", profile, *extra,
+            "--inference-port", str(ports[0]), "--management-port", str(ports[1]), "--metrics-port", str(ports[2]),
+            "--grpc-inference-port", str(ports[3]), "--grpc-management-port", str(ports[4]))
+    paths = server.ServerPaths(str(root / "tmp"), str(root / "logs"))
+    properties = os.path.join(store, "config.properties")
+    served = server.Served(f"http://127.0.0.1:{ports[0]}", f"http://127.0.0.1:{ports[1]}",
+                           f"http://127.0.0.1:{ports[2]}", paths, store, properties)
+    server.start(properties, store, paths)
+    return served
+
+
+@pytest.fixture(scope="module")
+def shipped(tmp_path_factory, profile):
+    """The 2-core archive, as `make archive` builds it here (1 worker)."""
+    served = serve_built(tmp_path_factory.mktemp("shipped"), profile)
+    try:
+        server.wait_ready(served.management, NAME, 600)
+        yield served
+    finally:
+        server.stop(served.paths)
+
+
+@pytest.fixture(scope="module")
+def reference(minilm_dir):
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(minilm_dir, device="cpu")
+    return {text: model.encode([text])[0].tolist() for text in (SHORT, LONG)}
+
+
+def scale(served, workers: int) -> None:
+    response = requests.put(f"{served.management}/models/{NAME}?min_worker={workers}&max_worker={workers}"
+                            "&synchronous=true", timeout=900)
+    assert response.status_code == 200, response.text
+    server.wait_ready(served.management, NAME, 900, min_workers=workers)
+    wait_until(lambda: len(server.workers(served.management, NAME)) == workers, 120, what=f"{workers} workers")
+
+
+def lone_requests(served, reference) -> list[tuple[str, float, float]]:
+    """Short and long requests one at a time, each after an idle gap: (kind, gap, seconds)."""
+    url = f"{served.inference}/predictions/{NAME}"
+    out = []
+    for i, gap in enumerate(GAPS):
+        time.sleep(gap)
+        kind, text = ("short", SHORT) if i % 2 == 0 else ("long", LONG)
+        started = time.monotonic()
+        response = requests.post(url, data=text.encode(), headers={"Content-Type": "text/plain"}, timeout=30)
+        took = time.monotonic() - started
+        assert response.status_code == 200, response.text
+        assert cosine(response.json()["embedding"], reference[text]) >= 0.999
+        out.append((kind, gap, took))
+    return out
+
+
+def medians(results) -> dict[str, float]:
+    return {kind: statistics.median(t for k, _, t in results if k == kind) for kind in ("short", "long")}
+
+
+@pytest.fixture(scope="module")
+def one_worker_latency(shipped, reference) -> dict[str, float]:
+    scale(shipped, 1)
+    return medians(lone_requests(shipped, reference))
+
+
+def check_lone(results, baseline: dict[str, float]) -> None:
+    for kind, gap, took in results:
+        assert took < STRANDED_S, f"a lone {kind} request after a {gap} s gap took {took:.2f} s: it waited for a sibling"
+    for kind, median in medians(results).items():
+        # medians of 3, against 3x the one-worker median: the check is about waiting, not noise
+        assert median <= 3 * baseline[kind] + 0.05, f"{kind}: median {median:.3f} s vs one worker {baseline[kind]:.3f} s"
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_lone_requests_are_answered_without_waiting_for_another(shipped, reference, one_worker_latency, workers):
+    scale(shipped, workers)
+    check_lone(lone_requests(shipped, reference), one_worker_latency)
+
+
+def burst_texts(count: int) -> list[bytes]:
+    texts = [(LONG + f" {i}" if i % 4 == 0 else f"burst request {i} about scaling").encode() for i in range(count)]
+    texts[5] = b'{"text": "unterminated'
+    return texts
+
+
+def check_burst(served) -> None:
+    """24 mixed requests at once, one malformed: it alone fails, every other one is answered 200."""
+    url = f"{served.inference}/predictions/{NAME}"
+    load = Load()
+    try:
+        futures = [load.send(url, body, "application/json" if i == 5 else "text/plain", timeout=120)
+                   for i, body in enumerate(burst_texts(24))]
+        shots = [f.result(timeout=180) for f in futures]
+    finally:
+        load.close(1)
+    assert [s.status for s in shots] == [400 if i == 5 else 200 for i in range(24)], [s.error for s in shots]
+
+
+def test_a_mixed_burst_over_three_workers_is_answered_in_full(shipped):
+    scale(shipped, 3)
+    check_burst(shipped)
+
+
+def open_loop(load: Load, url: str, rate: float, stop) -> None:
+    """Requests at `rate` per second (alternating short and long) until stop() is true."""
+    i = 0
+    started = time.monotonic()
+    while not stop():
+        load.send(url, (SHORT if i % 5 else LONG).encode(), timeout=120, tag=str(i))
+        i += 1
+        time.sleep(max(0.0, started + i / rate - time.monotonic()))
+
+
+def test_scaling_one_to_three_to_one_under_load_answers_every_request(shipped):
+    scale(shipped, 1)
+    url = f"{shipped.inference}/predictions/{NAME}"
+    load = Load()
+    done = []
+    import threading
+
+    sender = threading.Thread(target=open_loop, args=(load, url, 6.0, lambda: bool(done)), daemon=True)
+    sender.start()
+    try:
+        scale(shipped, 3)
+        time.sleep(3)
+        scale(shipped, 1)
+        time.sleep(3)
+    finally:
+        done.append(True)
+        sender.join(10)
+        shots = [f.result(timeout=180) for f in list(load._futures)]
+        load.close(1)
+    assert len(shots) > 30
+    unanswered = [s for s in shots if not s.answered]
+    assert not unanswered, f"{len(unanswered)} of {len(shots)} requests got no answer: {unanswered[:3]}"
+    assert {s.status for s in shots} == {200}, sorted({s.status for s in shots})
+    assert len({s.headers.get(WORKER_HEADER) for s in shots}) >= 2, "one worker served everything"
+
+
+def test_a_worker_killed_while_its_siblings_serve(shipped):
+    """SIGKILL one of three workers under load: its siblings go on serving, no request goes
+    unanswered, only requests the dead worker held may fail (TorchServe's 'Worker died.'), and the
+    worker comes back warm."""
+    scale(shipped, 3)
+    url = f"{shipped.inference}/predictions/{NAME}"
+    victim = worker_pids(shipped.management, NAME)[0]
+    load = Load()
+    done = []
+    import threading
+
+    sender = threading.Thread(target=open_loop, args=(load, url, 6.0, lambda: bool(done)), daemon=True)
+    sender.start()
+    try:
+        time.sleep(3)
+        os.kill(victim, signal.SIGKILL)
+        killed = time.monotonic()
+        time.sleep(5)
+    finally:
+        done.append(True)
+        sender.join(10)
+        shots = [f.result(timeout=180) for f in list(load._futures)]
+        load.close(1)
+    assert not [s for s in shots if not s.answered], "a request got no answer"
+    after = [s for s in shots if s.sent > killed + 1.0]
+    assert after and all(s.status == 200 for s in after), sorted({s.status for s in after})
+    failed = [s for s in shots if s.status != 200]
+    assert all(s.status >= 500 and s.sent < killed + 1.0 for s in failed), [(s.status, s.body[:80]) for s in failed]
+    wait_until(lambda: len([w for w in server.workers(shipped.management, NAME) if w["status"] == "READY"]) == 3
+               and victim not in worker_pids(shipped.management, NAME), 600, what="the killed worker replaced")
+
+
+@pytest.fixture(scope="module")
+def eight_cores(tmp_path_factory, profile):
+    """The archive tuned for an 8-core machine (`--cores 8`): 2 workers x 4 threads, served here."""
+    served = serve_built(tmp_path_factory.mktemp("eight"), profile, "--cores", "8")
+    try:
+        with open(os.path.join(served.store, "config.properties")) as f:
+            assert re.search(r"^default_workers_per_model=2$", f.read(), re.M)
+        server.wait_ready(served.management, NAME, 900, min_workers=2)
+        yield served
+    finally:
+        server.stop(served.paths)
+
+
+def test_the_archive_tuned_for_eight_cores_serves_lone_requests_and_bursts(eight_cores, reference):
+    results = lone_requests(eight_cores, reference)
+    for kind, gap, took in results:
+        assert took < STRANDED_S, f"a lone {kind} request after a {gap} s gap took {took:.2f} s"
+    check_burst(eight_cores)
