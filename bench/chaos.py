@@ -581,6 +581,11 @@ def run(args) -> dict:
         store = os.path.join(root, "store")
         drills = args.drills
         models = {n: spec for n, spec in MODELS.items() if n == "shipped" or f"kill-{n}" in drills}
+        if args.workers > 1:  # scaled out on the same cores: one OpenMP team per worker, no oversubscription
+            handler, frontend = models["shipped"]
+            models["shipped"] = ({**handler, "torch_threads": max(1, (os.cpu_count() or 1) // args.workers)},
+                                 {**frontend, "minWorkers": args.workers, "maxWorkers": args.workers})
+        report["shipped_workers"] = args.workers
         for name, (handler, frontend) in models.items():
             build_archive(ArchiveSpec(str(MODEL_DIR), name, model_config(handler, frontend), store))
         ports = server.free_ports(5)
@@ -717,6 +722,7 @@ def main(argv=None) -> int:
     parser.add_argument("--recovery-timeout", type=float, default=300,
                         help="seconds to wait for a new worker's first answer after the kill")
     parser.add_argument("--ready-timeout", type=float, default=900)
+    parser.add_argument("--workers", type=int, default=1, help="workers of the shipped model (reports chaos-Nw.*)")
     parser.add_argument("--out-dir", default=os.path.join(REPO, "bench", "results"))
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
@@ -725,9 +731,10 @@ def main(argv=None) -> int:
     args.drills = {d.strip() for d in args.drills.split(",") if d.strip()}
     report = run(args)
     os.makedirs(args.out_dir, exist_ok=True)
-    with open(os.path.join(args.out_dir, "chaos.json"), "w") as f:
+    stem = "chaos" if args.workers == 1 else f"chaos-{args.workers}w"
+    with open(os.path.join(args.out_dir, f"{stem}.json"), "w") as f:
         json.dump(report, f, indent=1)
-    with open(os.path.join(args.out_dir, "chaos.md"), "w") as f:
+    with open(os.path.join(args.out_dir, f"{stem}.md"), "w") as f:
         f.write(markdown(report))
     print(markdown(report))
     o = report.get("overload")

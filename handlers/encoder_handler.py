@@ -84,6 +84,8 @@ class EncoderHandler:
         self.metrics = Metrics(getattr(context, "metrics", None), context.model_name, self._gpu_sampler())
         self.isolator = Isolator(self._timed_run, self.config.isolation_budget, OomCaps())
         self.mode = serving_mode(yaml_config)
+        timeout = yaml_config.get("responseTimeout")
+        self.response_timeout = timeout if isinstance(timeout, int) and timeout > 1 else 120
         if self.mode == "continuous":  # joined before warmup: siblings see this worker long before it polls
             from handlers.siblings import Siblings
 
@@ -320,7 +322,10 @@ class EncoderHandler:
         still running a second past the last one is answered 504 here. Called under finished_cond."""
         running = [self.running[rid] for rid in mine if rid in self.running]
         deadlines = [t.deadline for t in running if t.deadline is not None]
-        timeout = max(deadlines) - time.monotonic() + 1.0 if len(deadlines) == len(running) and deadlines else None
+        # and inside TorchServe's responseTimeout, past which it would kill the worker
+        timeout = self.response_timeout - 1.0
+        if deadlines and len(deadlines) == len(running):
+            timeout = min(timeout, max(deadlines) - time.monotonic() + 1.0)
         done = self.finished_cond.wait_for(
             lambda: all(rid in self.finished for rid in mine if rid in self.running), timeout=timeout)
         if not done:

@@ -19,6 +19,9 @@ class ControlPadToMaxLength:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         self.model = AutoModel.from_pretrained(model_dir, local_files_only=True, use_safetensors=True).eval()
         self.max_length = 256
+        threads = ((context.model_yaml_config or {}).get("handler") or {}).get("torch_threads")
+        if threads:  # several workers on few cores: one OpenMP team each, no oversubscription
+            torch.set_num_threads(threads)
         self.initialized = True
 
     def handle(self, data, context):
