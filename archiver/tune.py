@@ -119,7 +119,8 @@ class Tuning:
 def bucket_reason(plan: BucketPlan) -> str:
     why = {"target": "a larger batch would break the per-pass budget",
            "throughput": "larger measured batches serve fewer requests/s",
-           "largest measured": "the largest batch the profile measured"}[plan.limited_by]
+           "largest measured": "the largest batch the profile measured",
+           "out of memory": "a larger batch ran out of memory while profiling"}[plan.limited_by]
     return (f"bucket {plan.bucket} tokens, lane {plan.lane}: batch {plan.batch} serves "
             f"{plan.requests_per_s:.0f} req/s (median {plan.median_ms:.1f} ms, p90 {plan.p90_ms:.1f} ms "
             f"per pass), predicted p99 {plan.predicted_p99_ms:.0f} ms; {why}")
@@ -250,8 +251,8 @@ def choose_max_wait(profile: LatencyProfile, edges: tuple[int, ...], target_ms: 
 
 def _edges(profile: LatencyProfile, config: HandlerConfig) -> tuple[int, ...]:
     """The profile's buckets; refuse a handler configuration that would serve other ones."""
-    edges = tuple(sorted({s.bucket for s in profile.shapes}))
-    if not edges:
+    edges = tuple(sorted({s.bucket for s in profile.shapes} | set(profile.oom_caps)))
+    if not profile.shapes:
         raise TuneError("the profile has no timings: profile the model first (`tsbatch profile`)")
     if config.buckets is not None:
         served = check_edges(config.buckets, edges[-1])  # as the handler does, with the model's maximum
@@ -302,16 +303,30 @@ def tune(profile: LatencyProfile, target_ms: float, machine: Machine, config: Ha
     budget = (target_ms - wait_ms) / 2
 
     smooth = monotone(profile.shapes)
-    sizes = {bucket: _sizes(smooth, bucket, config) for bucket in edges}
-    too_slow = [sizes[b][0] for b in edges if sizes[b][0].p90_ms > budget]
+    # out of memory while profiling: a bucket not even one request fit in gets no cap (its requests get 507)
+    unfit = tuple(b for b in edges if profile.oom_caps.get(b) == 0)
+    fit = tuple(b for b in edges if b not in unfit)
+    if not fit:
+        raise TuneError(f"out of memory while profiling: not one request of any bucket fits ({list(unfit)}); "
+                        "lower handler.max_length or handler.memory_budget's neighbours, or use a larger device")
+    sizes = {bucket: _sizes(smooth, bucket, config) for bucket in fit}
+    too_slow = [sizes[b][0] for b in fit if sizes[b][0].p90_ms > budget]
     if too_slow:
         raise _infeasible(target_ms, wait_ms, max(too_slow, key=lambda s: s.p90_ms), budget)
-    chosen = {bucket: choose_cap(sizes[bucket], budget) for bucket in edges}
+    chosen = {bucket: choose_cap(sizes[bucket], budget) for bucket in fit}
+    for bucket, (shape, limited) in chosen.items():
+        if limited == "largest measured" and profile.oom_caps.get(bucket) == shape.batch:
+            chosen[bucket] = (shape, "out of memory")
     caps = {bucket: shape for bucket, (shape, _) in chosen.items()}
     predicted = predicted_p99(caps, lanes, wait_ms)
     lane_of = {bucket: i for i, lane in enumerate(lanes) for bucket in lane}
     plans = tuple(BucketPlan(b, caps[b].batch, caps[b].median_ms, caps[b].p90_ms, lane_of[b],
-                             round(predicted[b], 1), chosen[b][1]) for b in edges)
+                             round(predicted[b], 1), chosen[b][1]) for b in fit)
+    memory = ""
+    if profile.oom_caps:
+        memory = ("; out of memory while profiling capped " + ", ".join(
+            f"bucket {b} at {c}" if c else f"bucket {b} entirely (not one request fits: 507)"
+            for b, c in sorted(profile.oom_caps.items())))
 
     handler = {
         "buckets": Choice(list(edges), "the buckets the profile measured: caps are per bucket, so serving "
@@ -320,7 +335,8 @@ def tune(profile: LatencyProfile, target_ms: float, machine: Machine, config: Ha
                              f"per bucket, the measured batch size with the most requests/s whose p90 fits "
                              f"the per-pass budget (target {target_ms:g} - max_wait {wait_ms - intake_ms:g}"
                              + (f" - poll {intake_ms:g}" if intake_ms else "") + f") / 2 = {budget:.1f} ms: then "
-                             "p99 <= " + ("poll + " if intake_ms else "") + "max_wait + one pass ahead + its own pass"),
+                             "p99 <= " + ("poll + " if intake_ms else "") + "max_wait + one pass ahead + its own pass"
+                             + memory),
         "torch_threads": threads,
     }
     if wait is not None:

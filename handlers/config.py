@@ -25,10 +25,11 @@ class FaultInjection:
 
     substring: str | None = None
     oom_above_batch: int | None = None
+    oom_above_tokens: int | None = None  # batch x bucket tokens: memory that grows with the shape
 
     @property
     def enabled(self) -> bool:
-        return self.substring is not None or self.oom_above_batch is not None
+        return self.substring is not None or self.oom_above_batch is not None or self.oom_above_tokens is not None
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,8 @@ class HandlerConfig:
     warmup_repeats: int = 3
     warmup_max_repeats: int = 6
     compile: bool = False
+    # per worker: a fraction of the device (0 < f <= 1) or bytes; enforced on CUDA only (handlers/memory.py)
+    memory_budget: float | int | None = None
 
     @classmethod
     def from_yaml(cls, section: Mapping[str, Any] | None) -> "HandlerConfig":
@@ -113,6 +116,8 @@ class HandlerConfig:
         if "long_lane_from" in section:
             lane = section["long_lane_from"]
             values["long_lane_from"] = None if lane is None else _positive_int("long_lane_from", lane)
+        if section.get("memory_budget") is not None:
+            values["memory_budget"] = _memory_budget(section["memory_budget"])
         if section.get("fault_injection") is not None:
             values["fault_injection"] = _fault_injection(section["fault_injection"])
         config = cls(**values)
@@ -129,13 +134,30 @@ class HandlerConfig:
         return config
 
 
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def _memory_budget(value: Any) -> float | int:
+    """0 < fraction <= 1 of the device, a whole number of bytes, or a size such as "50GB" / "48GiB"."""
+    if isinstance(value, float) and 0 < value <= 1:
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and value > 1:
+        return value
+    if isinstance(value, str):
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmg]i?b|b)?\s*", value.lower())
+        if match and float(match.group(1)) > 0:
+            return int(float(match.group(1)) * _UNITS[match.group(2) or ""])
+    raise ConfigError(f"handler.memory_budget must be a fraction of the device (0 < f <= 1), bytes, or a size "
+                      f"such as \"50GB\", got {value!r}")
+
+
 def _fault_injection(value: Any) -> FaultInjection:
     if not isinstance(value, Mapping):
         raise ConfigError(f"handler.fault_injection must be a mapping, got {value!r}")
-    unknown = sorted(map(str, set(value) - {"substring", "oom_above_batch"}))
+    unknown = sorted(map(str, set(value) - {"substring", "oom_above_batch", "oom_above_tokens"}))
     if unknown:
         raise ConfigError(
-            f"handler.fault_injection: unknown key(s) {unknown}; known: substring, oom_above_batch"
+            f"handler.fault_injection: unknown key(s) {unknown}; known: substring, oom_above_batch, oom_above_tokens"
         )
     substring = value.get("substring")
     if substring is not None:
@@ -145,7 +167,10 @@ def _fault_injection(value: Any) -> FaultInjection:
     oom = value.get("oom_above_batch")
     if oom is not None:
         oom = _positive_int("fault_injection.oom_above_batch", oom)
-    return FaultInjection(substring=substring, oom_above_batch=oom)
+    tokens = value.get("oom_above_tokens")
+    if tokens is not None:
+        tokens = _positive_int("fault_injection.oom_above_tokens", tokens)
+    return FaultInjection(substring=substring, oom_above_batch=oom, oom_above_tokens=tokens)
 
 
 def _enum(kind: type[enum.Enum], name: str, value: Any):

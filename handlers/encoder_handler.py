@@ -31,8 +31,10 @@ from typing import Any
 
 from handlers.buckets import Item, batch_cap, bucket_for, check_edges, default_edges, plan_batches
 from handlers.config import HandlerConfig
-from handlers.errors import BadInput, ConfigError, DeadlineExceeded, ModelFailed, Overloaded, ServingError
-from handlers.isolate import Isolator, OomCaps
+from handlers.errors import (BadInput, ConfigError, DeadlineExceeded, ModelFailed, OutOfMemory, Overloaded,
+                             ServingError)
+from handlers.isolate import Isolator, OomCaps, is_out_of_memory
+from handlers.memory import OOM_CAPS_FILE, apply_budget, keep_caps, load_caps
 from handlers.metrics import Metrics
 from handlers.parse import parse_text, row_value
 from handlers.scheduler import Priority, Scheduler, SchedulerPolicy, Ticket
@@ -82,7 +84,13 @@ class EncoderHandler:
                 f"largest bucket ({self.edges[-1]} tokens): raise it or lower max_length"
             )
         self.metrics = Metrics(getattr(context, "metrics", None), context.model_name, self._gpu_sampler())
-        self.isolator = Isolator(self._timed_run, self.config.isolation_budget, OomCaps())
+        self._apply_memory_budget()
+        # caps learned from out of memory by this model's workers so far (handlers/memory.py)
+        self.caps_file = os.path.join(model_dir, OOM_CAPS_FILE)
+        known = load_caps(self.caps_file)
+        self.unfit = {bucket for bucket, cap in known.items() if cap == 0}  # not one request fits: 507
+        self.isolator = Isolator(self._timed_run, self.config.isolation_budget,
+                                 OomCaps({b: c for b, c in known.items() if c > 0}, on_learn=self._learned))
         self.mode = serving_mode(yaml_config)
         timeout = yaml_config.get("responseTimeout")
         self.response_timeout = timeout if isinstance(timeout, int) and timeout > 1 else 120
@@ -95,6 +103,8 @@ class EncoderHandler:
         if self.config.warmup:
             self.profile = self._warm_up(context.model_name, model_dir, yaml_config, lanes)
             self.metrics.warmup(self.profile)
+        for bucket in sorted(self.isolator.caps.caps.keys() | self.unfit):
+            self.metrics.cap(bucket, 0 if bucket in self.unfit else self.cap_for(bucket))
         self.runner.mark_ready()
         if lanes is not None:
             self.engine = self._start_engine(lanes)
@@ -106,6 +116,32 @@ class EncoderHandler:
             self.config.max_batch_tokens, self.runner.describe(), time.monotonic() - started,
         )
         self.initialized = True
+
+    def _apply_memory_budget(self) -> None:
+        budget = self.config.memory_budget
+        if budget is None:
+            return
+        device = self.runner.device
+        if device.type != "cuda":
+            logger.warning("tsbatch: handler.memory_budget=%s is not enforced on %s: torch has no per-process "
+                           "limit for host memory (out of memory still lowers caps, never fails the load)",
+                           budget, device.type)
+            return
+        import torch
+
+        logger.info("tsbatch memory budget: %s", apply_budget(budget, torch.cuda, device.index or 0))
+
+    def _learned(self, bucket: int, cap: int) -> None:
+        """A cap learned while serving: keep it for this model's workers (a restarted one too)."""
+        keep_caps(self.caps_file, {bucket: cap}, "learned while serving")
+        self.metrics.cap(bucket, cap)
+
+    def _free_memory(self, shape, error) -> None:
+        """After out of memory: give cached device memory back so the next shapes start clean."""
+        if self.runner.device.type == "cuda":
+            import torch
+
+            torch.cuda.empty_cache()
 
     def _gpu_sampler(self):
         device = self.runner.device
@@ -152,12 +188,14 @@ class EncoderHandler:
 
     def _warm_up(self, model_name: str, model_dir: str, yaml_config: dict, lanes) -> Any:
         """Run every shape the handler can form before READY and keep the timings as the profile."""
+        from warmup.plan import Shape as WarmupShape
         from warmup.plan import WarmupPlan, plan_shapes
         from warmup.profile import PROFILE_FILE, LatencyProfile
         from warmup.run import estimate, run_plan
 
         cfg = self.config
-        plan = WarmupPlan(tuple(plan_shapes(self.edges, self.cap_for)), cfg.warmup_repeats, cfg.warmup_max_repeats)
+        edges = [edge for edge in self.edges if edge not in self.unfit]
+        plan = WarmupPlan(tuple(plan_shapes(edges, self.cap_for)), cfg.warmup_repeats, cfg.warmup_max_repeats)
         default_threads = self.runner.describe()["torch_threads"]
         threads_for = {b: t for lane, t in (lanes or []) for b in lane}
 
@@ -165,7 +203,13 @@ class EncoderHandler:
             self.runner.use_threads(threads_for.get(shape.bucket, default_threads))
             self.runner.run(self.runner.synthetic_batch(shape.batch, shape.bucket))
 
-        seconds = estimate(plan, run_shape)
+        try:
+            seconds = estimate(plan, run_shape)
+        except Exception as error:  # noqa: BLE001 - out of memory is for the plan to meet, shape by shape
+            if not is_out_of_memory(error):
+                raise
+            self._free_memory(None, error)
+            seconds = 0.0
         startup_timeout = yaml_config.get("startupTimeout", 120)
         if isinstance(startup_timeout, int) and seconds > startup_timeout:
             logger.warning(
@@ -179,8 +223,10 @@ class EncoderHandler:
         environment = {**self.runner.describe(), "lanes": [list(l) for l, _ in (lanes or [])],
                        "threads_per_bucket": threads_for or default_threads}
         profile = LatencyProfile(model=model_name, environment=environment)
-        run_plan(plan, run_shape, profile)
-        run_shape(plan.shapes[0])  # warmup ends on its largest shapes; the likeliest first request is the smallest
+        run_plan(plan, run_shape, profile, on_oom=self._free_memory)
+        self._learn_from_warmup(profile)
+        if profile.shapes:  # warmup ends on its largest shapes; the likeliest first request is the smallest
+            run_shape(WarmupShape(profile.shapes[0].batch, profile.shapes[0].bucket))
         self.runner.use_threads(default_threads)
         path = os.path.join(model_dir, PROFILE_FILE)
         tmp = f"{path}.{os.getpid()}.tmp"
@@ -189,6 +235,19 @@ class EncoderHandler:
         logger.info("tsbatch warmup done in %.1fs by worker pid %d; latency profile %s: %s",
                     profile.warmup_seconds, os.getpid(), path, profile.to_json().replace("\n", ""))
         return profile
+
+    def _learn_from_warmup(self, profile) -> None:
+        """Caps warmup learned from out of memory hold from now on, for this model's workers."""
+        if not profile.oom_caps:
+            return
+        for bucket, cap in profile.oom_caps.items():
+            if cap == 0:
+                self.unfit.add(bucket)
+            else:
+                self.isolator.caps.caps[bucket] = min(cap, self.isolator.caps.caps.get(bucket, cap))
+        keep_caps(self.caps_file, profile.oom_caps, "learned at warmup")
+        logger.warning("tsbatch warmup: batch caps learned from out of memory (bucket: largest batch that fits; "
+                       "0: none, those requests get 507): %s", profile.oom_caps)
 
     def _start_engine(self, lanes):
         from handlers import socket_guard
@@ -393,7 +452,13 @@ class EncoderHandler:
             except Exception as error:  # noqa: BLE001 - e.g. lone surrogates the tokenizer rejects
                 outcomes[index] = BadInput(f"text cannot be tokenized ({type(error).__name__}: {error})")
                 continue
-            items.append(Item(index, text, tokens, bucket_for(tokens, self.edges), encoding))
+            bucket = bucket_for(tokens, self.edges)
+            if bucket in self.unfit:
+                outcomes[index] = OutOfMemory(
+                    f"inputs of up to {bucket} tokens (this request has {tokens}) do not fit in this worker's "
+                    f"memory even one at a time (learned from out of memory): send a shorter text")
+                continue
+            items.append(Item(index, text, tokens, bucket, encoding))
         return items
 
     def answer(self, outcomes: list, context, batch_sizes: list[int], padded: list[int]) -> list:

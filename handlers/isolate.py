@@ -61,6 +61,8 @@ class OomCaps:
     """Per-bucket batch caps learned from out-of-memory errors; they only ever shrink."""
 
     caps: dict[int, int] = field(default_factory=dict)
+    # called with (bucket, new cap) whenever a cap shrinks: the handler keeps caps across restarts
+    on_learn: Callable[[int, int], None] | None = field(default=None, repr=False)
 
     def cap(self, bucket: int, default: int) -> int:
         return min(default, self.caps.get(bucket, default))
@@ -71,9 +73,11 @@ class OomCaps:
             self.caps[bucket] = new_cap
             logger.warning(
                 "bucket %d: out of memory at batch size %d; batches of this bucket are capped at %d "
-                "for the life of this worker",
+                "from now on (kept for this model's workers)",
                 bucket, failed_size, new_cap,
             )
+            if self.on_learn is not None:
+                self.on_learn(bucket, new_cap)
 
 
 class Isolator:

@@ -236,6 +236,9 @@ class ModelRunner:
             raise MemoryError(
                 f"fault injection: out of memory for batch of {batch.size} > {fault.oom_above_batch}"
             )
+        if fault.oom_above_tokens is not None and batch.size * batch.bucket > fault.oom_above_tokens:
+            raise MemoryError(f"fault injection: out of memory for {batch.size} x {batch.bucket} tokens "
+                              f"> {fault.oom_above_tokens}")
 
     def _collate(self, encodings: Sequence[Encoding], length: int) -> dict[str, torch.Tensor]:
         columns: dict[str, list[list[int]]] = {}

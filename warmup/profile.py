@@ -30,6 +30,8 @@ class LatencyProfile:
     environment: dict[str, Any]
     shapes: list[ShapeTiming] = field(default_factory=list)
     warmup_seconds: float = 0.0
+    # bucket -> largest batch that fit when warmup ran out of memory there (0: not even one request)
+    oom_caps: dict[int, int] = field(default_factory=dict)
 
     def add(self, batch: int, bucket: int, first_ms: float, timings_ms: list[float]) -> ShapeTiming:
         ordered = sorted(timings_ms)
@@ -52,7 +54,8 @@ class LatencyProfile:
     def from_json(cls, text: str) -> "LatencyProfile":
         data = json.loads(text)
         shapes = [ShapeTiming(**s) for s in data.pop("shapes", [])]
-        return cls(shapes=shapes, **data)
+        oom_caps = {int(bucket): int(cap) for bucket, cap in (data.pop("oom_caps", None) or {}).items()}
+        return cls(shapes=shapes, oom_caps=oom_caps, **data)
 
     @classmethod
     def load(cls, path: str) -> "LatencyProfile":

@@ -9,8 +9,9 @@ import logging
 import time
 from typing import Callable
 
+from handlers.isolate import describe, is_out_of_memory
 from warmup.plan import Shape, WarmupPlan, stable
-from warmup.profile import LatencyProfile
+from warmup.profile import LatencyProfile, ShapeTiming
 
 logger = logging.getLogger(__name__)
 
@@ -26,20 +27,42 @@ def estimate(plan: WarmupPlan, run_shape: Callable[[Shape], None], clock=time.pe
 
 
 def run_plan(plan: WarmupPlan, run_shape: Callable[[Shape], None], profile: LatencyProfile,
-             clock=time.perf_counter, log: Callable[..., None] = logger.info) -> LatencyProfile:
+             clock=time.perf_counter, log: Callable[..., None] = logger.info,
+             on_oom: Callable[[Shape, BaseException], None] = lambda shape, error: None) -> LatencyProfile:
+    """Warm and time every shape. A shape that runs out of memory caps its bucket at the largest
+    batch that fit (profile.oom_caps; 0 when not even one request did), the bucket's larger shapes
+    are skipped, `on_oom` frees what it can, and warmup goes on: out of memory never fails a load."""
     began = clock()
     total = len(plan.shapes)
     for number, shape in enumerate(plan.shapes, 1):
-        started = clock()
-        run_shape(shape)
-        first_ms = (clock() - started) * 1000
-        timings: list[float] = []
-        while len(timings) < plan.repeats or (not stable(timings) and len(timings) < plan.max_repeats):
-            started = clock()
-            run_shape(shape)
-            timings.append((clock() - started) * 1000)
-        timing = profile.add(shape.batch, shape.bucket, first_ms, timings)
+        if shape.bucket in profile.oom_caps:
+            continue  # a smaller batch of this bucket already ran out of memory
+        try:
+            timing, first_ms = _time_shape(plan, shape, run_shape, profile, clock)
+        except Exception as error:  # noqa: BLE001 - only out of memory is survivable here
+            if not is_out_of_memory(error):
+                raise
+            fitted = max((t.batch for t in profile.shapes if t.bucket == shape.bucket), default=0)
+            profile.oom_caps[shape.bucket] = fitted
+            logger.warning("tsbatch warmup: out of memory at batch %d x %d tokens (%s): bucket %d is capped at "
+                           "%d%s", shape.batch, shape.bucket, describe(error), shape.bucket, fitted,
+                           "" if fitted else ": its requests will get 507")
+            on_oom(shape, error)
+            continue
         log("tsbatch warmup shape %d of %d: batch %d x %d tokens: first %.1f ms, median %.1f ms (%d runs)",
             number, total, shape.batch, shape.bucket, first_ms, timing.median_ms, timing.runs)
     profile.warmup_seconds = round(clock() - began, 3)
     return profile
+
+
+def _time_shape(plan: WarmupPlan, shape: Shape, run_shape: Callable[[Shape], None], profile: LatencyProfile,
+                clock) -> tuple[ShapeTiming, float]:
+    started = clock()
+    run_shape(shape)
+    first_ms = (clock() - started) * 1000
+    timings: list[float] = []
+    while len(timings) < plan.repeats or (not stable(timings) and len(timings) < plan.max_repeats):
+        started = clock()
+        run_shape(shape)
+        timings.append((clock() - started) * 1000)
+    return profile.add(shape.batch, shape.bucket, first_ms, timings), first_ms

@@ -24,6 +24,10 @@ PURE = [
     "handlers.engine",
     "handlers.metrics",
     "handlers.siblings",
+    "handlers.memory",
+    "warmup.plan",
+    "warmup.run",
+    "warmup.profile",
 ]
 HEAVY = ["torch", "transformers", "ts"]  # ts is TorchServe's Python package
 

@@ -395,3 +395,22 @@ def test_tune_and_kserve_stay_pure():
                           env={**os.environ, "PYTHONPATH": REPO}, timeout=120)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.strip().splitlines()[-1]) == []
+
+
+def test_caps_learned_from_out_of_memory_while_profiling_bound_the_tuned_caps():
+    """The profile stops a bucket at the batch that ran out of memory (and leaves out a bucket where
+    not one request fit): tune keeps within it, says why, and still serves the bucket's edges."""
+    shapes = {(n, b): (5 + 0.02 * n * b, 5.5 + 0.022 * n * b) for b in (16, 64) for n in (1, 2, 4, 8, 16)
+              if not (b == 64 and n > 2)}
+    profile = profile_of(shapes)
+    profile.oom_caps = {64: 2, 256: 0}
+    tuning = tune(profile, 500, TWO_CORES, EMBEDDING)
+    assert tuning.handler["buckets"].value == [16, 64, 256]
+    assert tuning.handler["batch_caps"].value == {16: 16, 64: 2}
+    assert {p.bucket: p.limited_by for p in tuning.buckets}[64] == "out of memory"
+    reason = tuning.handler["batch_caps"].reason
+    assert "bucket 64 at 2" in reason and "bucket 256 entirely" in reason
+    profile.oom_caps = {16: 0, 64: 0}
+    profile.shapes = []
+    with pytest.raises(TuneError):
+        tune(profile, 500, TWO_CORES, EMBEDDING)
