@@ -4,6 +4,10 @@ One server per test session serves the test models; it is always stopped, even w
 """
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from archiver import server
@@ -40,3 +44,39 @@ def torchserve(tmp_path_factory, minilm_dir):
         build_archive(ArchiveSpec(minilm_dir, name, model_config(handler, frontend), store))
     with server.local_server(str(root), store, list(MODELS), timeout=300) as served:
         yield served
+
+
+# -- the archive exactly as `tsbatch archive` builds it -------------------------------------------
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+NAME = "minilm"
+
+
+def tsbatch(*args: str) -> None:
+    subprocess.run([sys.executable, "-m", "archiver", *args], check=True, cwd=REPO, timeout=900,
+                   stdout=subprocess.DEVNULL)
+
+
+@pytest.fixture(scope="session")
+def built_profile(tmp_path_factory) -> str:
+    """`tsbatch profile` of the default model on this machine, taken once: each built archive
+    below is `tsbatch archive --profile` of it, which is what `make archive` runs minus profiling."""
+    path = str(tmp_path_factory.mktemp("profile") / "profile.json")
+    tsbatch("profile", "--name", NAME, "--out", path)
+    return path
+
+
+def serve_built(root, profile: str, *extra: str) -> server.Served:
+    """`tsbatch archive` into root/store on free ports, then torchserve with the config.properties
+    and model-config.yaml it wrote (not waited for: the caller waits for what it expects)."""
+    ports = server.free_ports(5)
+    store = str(root / "store")
+    tsbatch("archive", "--name", NAME, "--out", store, "--profile", profile, *extra,
+            "--inference-port", str(ports[0]), "--management-port", str(ports[1]), "--metrics-port", str(ports[2]),
+            "--grpc-inference-port", str(ports[3]), "--grpc-management-port", str(ports[4]))
+    paths = server.ServerPaths(str(root / "tmp"), str(root / "logs"))
+    properties = os.path.join(store, "config.properties")
+    served = server.Served(f"http://127.0.0.1:{ports[0]}", f"http://127.0.0.1:{ports[1]}",
+                           f"http://127.0.0.1:{ports[2]}", paths, store, properties)
+    server.start(properties, store, paths)
+    return served

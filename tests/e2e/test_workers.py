@@ -13,8 +13,6 @@ import os
 import re
 import signal
 import statistics
-import subprocess
-import sys
 import time
 
 import pytest
@@ -23,10 +21,9 @@ import requests
 from archiver import server
 from bench.chaos import Load, wait_until, worker_pids
 from handlers.encoder_handler import WORKER_HEADER
+from tests.e2e.conftest import NAME, serve_built
 from tests.support import cosine
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-NAME = "minilm"
 SHORT = "How do I scale TorchServe workers without losing requests?"
 LONG = " ".join(["A much longer passage about serving models, batching requests by length and warming"
                  " every shape before the worker reports that it is ready."] * 9)
@@ -36,37 +33,10 @@ GAPS = (0.2, 1.5, 3.0, 0.5, 1.0, 2.0)
 STRANDED_S = 0.9
 
 
-def tsbatch(*args: str) -> None:
-    subprocess.run([sys.executable, "-m", "archiver", *args], check=True, cwd=REPO, timeout=900,
-                   stdout=subprocess.DEVNULL)
-
-
 @pytest.fixture(scope="module")
-def profile(tmp_path_factory) -> str:
-    path = str(tmp_path_factory.mktemp("profile") / "profile.json")
-    tsbatch("profile", "--name", NAME, "--out", path)
-    return path
-
-
-def serve_built(root, profile: str, *extra: str):
-    """`tsbatch archive` into root/store with free ports, then torchserve with what it wrote."""
-    ports = server.free_ports(5)
-    store = str(root / "store")
-    tsbatch("archive", "--name", NAME, "--out", store, "--profile", profile, *extra,
-            "--inference-port", str(ports[0]), "--management-port", str(ports[1]), "--metrics-port", str(ports[2]),
-            "--grpc-inference-port", str(ports[3]), "--grpc-management-port", str(ports[4]))
-    paths = server.ServerPaths(str(root / "tmp"), str(root / "logs"))
-    properties = os.path.join(store, "config.properties")
-    served = server.Served(f"http://127.0.0.1:{ports[0]}", f"http://127.0.0.1:{ports[1]}",
-                           f"http://127.0.0.1:{ports[2]}", paths, store, properties)
-    server.start(properties, store, paths)
-    return served
-
-
-@pytest.fixture(scope="module")
-def shipped(tmp_path_factory, profile):
+def shipped(tmp_path_factory, built_profile):
     """The 2-core archive, as `make archive` builds it here (1 worker)."""
-    served = serve_built(tmp_path_factory.mktemp("shipped"), profile)
+    served = serve_built(tmp_path_factory.mktemp("shipped"), built_profile)
     try:
         server.wait_ready(served.management, NAME, 600)
         yield served
@@ -223,9 +193,9 @@ def test_a_worker_killed_while_its_siblings_serve(shipped):
 
 
 @pytest.fixture(scope="module")
-def eight_cores(tmp_path_factory, profile):
+def eight_cores(tmp_path_factory, built_profile):
     """The archive tuned for an 8-core machine (`--cores 8`): 2 workers x 4 threads, served here."""
-    served = serve_built(tmp_path_factory.mktemp("eight"), profile, "--cores", "8")
+    served = serve_built(tmp_path_factory.mktemp("eight"), built_profile, "--cores", "8")
     try:
         with open(os.path.join(served.store, "config.properties")) as f:
             assert re.search(r"^default_workers_per_model=2$", f.read(), re.M)
