@@ -20,7 +20,7 @@ ARCHIVE_ARGS ?=
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 SERVE_ENV = TMPDIR=$(RUN_DIR)/tmp TEMP=$(RUN_DIR)/tmp LOG_LOCATION=$(RUN_DIR)/logs METRICS_LOCATION=$(RUN_DIR)/logs PATH=$(CURDIR)/$(VENV)/bin:$$PATH
 
-.PHONY: setup java archive serve stop test test-unit test-transformers4 bench bench-warmup bench-idle soak chaos clean help
+.PHONY: setup java archive serve stop test test-unit test-transformers4 bench bench-warmup bench-idle bench-workers soak chaos clean help
 
 help:
 	@echo "make serve    set up, archive all-MiniLM-L6-v2 as '$(NAME)' and serve it on 127.0.0.1:8080-8082"
@@ -30,6 +30,7 @@ help:
 	@echo "make bench    tsbatch against TorchServe's stock batching, side by side (bench/results/bench.*)"
 	@echo "make bench-warmup  first request vs steady state per shape, warmup and compile on/off"
 	@echo "make bench-idle    one pass after idle pauses of 1-200 ms: how cold a waiting worker gets"
+	@echo "make bench-workers the built archive with 1, 2 and 3 workers: lone requests, mixed load, logs, idle CPU"
 	@echo "make soak     50,000 requests through async mode; frontend memory at start and end"
 	@echo "make chaos    worker killed mid-batch and overload at 3x capacity (bench/results/chaos.*)"
 
@@ -93,6 +94,9 @@ bench-warmup: setup
 
 bench-idle: setup
 	$(PYTHON) bench/idle_bench.py $(BENCH_ARGS)
+
+bench-workers: setup
+	$(PYTHON) bench/workers.py $(BENCH_ARGS)
 
 soak: setup
 	$(PYTHON) bench/soak.py $(BENCH_ARGS)
