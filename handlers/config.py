@@ -49,6 +49,8 @@ class HandlerConfig:
     # scheduler modes (continuousBatching or asyncCommunication): tsbatch's scheduler in each worker
     max_wait_ms: int = 2
     poll_ms: int = 5  # continuous mode: a call returns after this long even if nothing finished
+    # continuous mode with sibling workers: the work one call may take in (it is answered whole)
+    max_call_ms: int = 500
     queue_cap: int = 64
     age_bound_ms: int = 250
     priority_aging_ms: int = 1000
@@ -93,7 +95,7 @@ class HandlerConfig:
             values["max_length"] = _positive_int("max_length", section["max_length"])
         if section.get("buckets") is not None:
             values["buckets"] = _edges("buckets", section["buckets"])
-        for name in ("max_batch_tokens", "max_batch_size", "isolation_budget", "max_wait_ms", "poll_ms", "queue_cap",
+        for name in ("max_batch_tokens", "max_batch_size", "isolation_budget", "max_wait_ms", "poll_ms", "max_call_ms", "queue_cap",
                      "age_bound_ms", "priority_aging_ms", "deadline_ms", "deadline_margin_ms", "warmup_repeats",
                      "warmup_max_repeats"):
             if name in section:

@@ -37,7 +37,7 @@ from handlers.isolate import Isolator, OomCaps, is_out_of_memory
 from handlers.memory import OOM_CAPS_FILE, apply_budget, keep_caps, load_caps
 from handlers.metrics import Metrics
 from handlers.parse import parse_text, row_value
-from handlers.scheduler import Priority, Scheduler, SchedulerPolicy, Ticket
+from handlers.scheduler import Priority, Scheduler, SchedulerPolicy, Ticket, within_budget
 
 logger = logging.getLogger(__name__)
 
@@ -337,6 +337,8 @@ class EncoderHandler:
             new = [i for i in range(len(data)) if ids.get(i) not in self.running]
             items = self.tokenize(self.parse(data, context, outcomes, new), outcomes)
             mine = [ids.get(i) for i in range(len(data))]
+            if not alone:
+                items = self._fit_call(items, outcomes)
             with self.finished_cond:  # held while admitting, so no lane can finish a ticket not yet in `running`
                 for item in items:
                     rid = ids[item.index]
@@ -362,6 +364,24 @@ class EncoderHandler:
             if outcome is None:
                 del ids[index]  # still running: no reply now, the frontend sends it again
         return self.answer(outcomes, context, sizes, padded)
+
+    def _fit_call(self, items: list[Item], outcomes: list) -> list[Item]:
+        """Continuous mode with siblings: take in only the work that can end within max_call_ms
+        (pass times from the latency profile) and answer the rest 503 at once. A call is answered
+        whole, and while every worker is inside a call new requests wait in TorchServe's queue,
+        where the handler cannot see or shed them: short calls keep that wait short."""
+        lane_of = {bucket: i for i, lane in enumerate(self.engine.lanes) for bucket in lane}
+        costs = [(lane_of[item.bucket], self._pass_seconds(item.bucket) / self.cap_for(item.bucket))
+                 for item in items]
+        taken = []
+        for item, fits in zip(items, within_budget(costs, self.config.max_call_ms / 1000)):
+            if fits:
+                taken.append(item)
+                continue
+            self.metrics.rejected("call_full")
+            outcomes[item.index] = Overloaded(
+                f"this worker took in {self.config.max_call_ms} ms of work with this call: retry shortly")
+        return taken
 
     def _wait_for_one(self, mine: list) -> None:
         """Continuous mode, the model's only worker: wait until one of this call's requests is

@@ -148,3 +148,18 @@ class Scheduler:
             ahead = lead(bucket) if lead else 0.0
             waits.extend(t.deadline - ahead - now for t in queue if t.deadline is not None)
         return max(0.0, min(waits)) if waits else None
+
+
+def within_budget(costs: Sequence[tuple[int, float]], budget: float) -> list[bool]:
+    """For each request in order, (its lane, the seconds of that lane's work it adds): whether it
+    fits in `budget` seconds of its lane's work. A lane always takes its first request, so a
+    worker never refuses everything."""
+    used: dict[int, float] = {}
+    fits = []
+    for lane, cost in costs:
+        so_far = used.get(lane)
+        ok = so_far is None or so_far + cost <= budget
+        if ok:
+            used[lane] = (so_far or 0.0) + cost
+        fits.append(ok)
+    return fits

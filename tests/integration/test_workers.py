@@ -106,3 +106,28 @@ def test_a_worker_alone_still_answers_a_short_request_during_a_long_pass(minilm_
         assert frontend.answered_at["short"] < min(frontend.answered_at[f"long{i}"] for i in range(8))
     finally:
         frontend.close()
+
+
+def test_a_call_with_siblings_takes_in_only_what_fits_its_budget_and_sheds_the_rest(minilm_dir):
+    """A call is answered whole when the worker has siblings, and new requests wait in TorchServe's
+    queue meanwhile, so a call takes in at most max_call_ms of work: the rest get 503 at once."""
+    pool = workers(minilm_dir, 2, poll_ms=5, max_call_ms=1)
+    for handler, _ in pool:
+        handler.profile = _FlatProfile()  # every pass 50 ms: one request per lane fits 1 ms
+    frontend = SharedQueueFrontend(pool)
+    try:
+        for i in range(12):
+            frontend.submit(f"c{i}", f"call budget request {i}")
+        assert frontend.wait([f"c{i}" for i in range(12)], timeout=60)
+        statuses = [frontend.replies[f"c{i}"].status for i in range(12)]
+        assert statuses.count(200) >= 1 and statuses.count(503) >= 1, statuses
+        assert set(statuses) == {200, 503}
+        refused = next(r for r in frontend.replies.values() if r.status == 503)
+        assert refused.headers.get("Retry-After") == "1" and "retry" in refused.body["error"]
+    finally:
+        frontend.close()
+
+
+class _FlatProfile:
+    def lookup(self, batch, bucket):
+        return type("Timing", (), {"p90_ms": 50.0 * batch})()

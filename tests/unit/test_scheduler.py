@@ -521,3 +521,12 @@ def test_a_ticket_that_may_not_wait_makes_its_bucket_ready_at_once():
     assert scheduler.time_until_ready(0.1) == 0.0
     batch, tickets = scheduler.next_batch(0.1)
     assert tickets == [waiting, closed] and batch.bucket == 16
+
+
+def test_within_budget_fills_each_lane_up_to_its_seconds_and_always_takes_a_lanes_first():
+    from handlers.scheduler import within_budget
+
+    costs = [(0, 0.1), (0, 0.1), (1, 0.9), (0, 0.25), (1, 0.2), (0, 0.05), (1, 0.05)]
+    assert within_budget(costs, 0.3) == [True, True, True, False, False, True, False]
+    assert within_budget([(0, 5.0), (0, 0.1)], 0.3) == [True, False]  # the first always fits
+    assert within_budget([], 1.0) == []
