@@ -50,7 +50,7 @@ class HandlerConfig:
     max_wait_ms: int = 2
     poll_ms: int = 5  # continuous mode: a call returns after this long even if nothing finished
     # continuous mode with sibling workers: the work one call may take in (it is answered whole)
-    max_call_ms: int = 500
+    max_call_ms: int = 100
     queue_cap: int = 64
     age_bound_ms: int = 250
     priority_aging_ms: int = 1000

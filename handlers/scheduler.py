@@ -150,15 +150,15 @@ class Scheduler:
         return max(0.0, min(waits)) if waits else None
 
 
-def within_budget(costs: Sequence[tuple[int, float]], budget: float) -> list[bool]:
+def within_budget(costs: Sequence[tuple[int, float]], budgets: Sequence[float]) -> list[bool]:
     """For each request in order, (its lane, the seconds of that lane's work it adds): whether it
-    fits in `budget` seconds of its lane's work. A lane always takes its first request, so a
-    worker never refuses everything."""
+    fits in `budgets[lane]` seconds of its lane's work. A lane always takes its first request, so
+    a worker never refuses everything."""
     used: dict[int, float] = {}
     fits = []
     for lane, cost in costs:
         so_far = used.get(lane)
-        ok = so_far is None or so_far + cost <= budget
+        ok = so_far is None or so_far + cost <= budgets[lane] + 1e-9
         if ok:
             used[lane] = (so_far or 0.0) + cost
         fits.append(ok)

@@ -111,9 +111,9 @@ def test_a_worker_alone_still_answers_a_short_request_during_a_long_pass(minilm_
 def test_a_call_with_siblings_takes_in_only_what_fits_its_budget_and_sheds_the_rest(minilm_dir):
     """A call is answered whole when the worker has siblings, and new requests wait in TorchServe's
     queue meanwhile, so a call takes in at most max_call_ms of work: the rest get 503 at once."""
-    pool = workers(minilm_dir, 2, poll_ms=5, max_call_ms=1)
+    pool = workers(minilm_dir, 2, poll_ms=5, max_call_ms=1, max_batch_size=1)
     for handler, _ in pool:
-        handler.profile = _FlatProfile()  # every pass 50 ms: one request per lane fits 1 ms
+        handler.profile = _FlatProfile()  # every pass 50 ms, one request each: one per lane fits a call
     frontend = SharedQueueFrontend(pool)
     try:
         for i in range(12):

@@ -527,6 +527,7 @@ def test_within_budget_fills_each_lane_up_to_its_seconds_and_always_takes_a_lane
     from handlers.scheduler import within_budget
 
     costs = [(0, 0.1), (0, 0.1), (1, 0.9), (0, 0.25), (1, 0.2), (0, 0.05), (1, 0.05)]
-    assert within_budget(costs, 0.3) == [True, True, True, False, False, True, False]
-    assert within_budget([(0, 5.0), (0, 0.1)], 0.3) == [True, False]  # the first always fits
-    assert within_budget([], 1.0) == []
+    assert within_budget(costs, [0.3, 0.3]) == [True, True, True, False, False, True, False]
+    assert within_budget(costs, [0.3, 1.2]) == [True, True, True, False, True, True, True]
+    assert within_budget([(0, 5.0), (0, 0.1)], [0.3]) == [True, False]  # the first always fits
+    assert within_budget([], [1.0]) == []
