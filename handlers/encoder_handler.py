@@ -366,17 +366,16 @@ class EncoderHandler:
         return self.answer(outcomes, context, sizes, padded)
 
     def _fit_call(self, items: list[Item], outcomes: list) -> list[Item]:
-        """Continuous mode with siblings: take in only the work that can end within max_call_ms, or
-        one full pass of the lane's slowest bucket if that is longer (pass times from the latency
-        profile), and answer the rest 503 at once. A call is answered
+        """Continuous mode with siblings: take in only the work that can end within max_call_ms per
+        lane (a request's share of its bucket's pass at cap, from the latency profile; a lane always
+        takes its first request) and answer the rest 503 at once. A call is answered
         whole, and while every worker is inside a call new requests wait in TorchServe's queue,
         where the handler cannot see or shed them: short calls keep that wait short."""
         lanes = self.engine.lanes
         lane_of = {bucket: i for i, lane in enumerate(lanes) for bucket in lane}
         costs = [(lane_of[item.bucket], self._pass_seconds(item.bucket) / self.cap_for(item.bucket))
                  for item in items]
-        # a lane may always take one full pass of its slowest bucket
-        budgets = [max(self.config.max_call_ms / 1000, max(self._pass_seconds(b) for b in lane)) for lane in lanes]
+        budgets = [self.config.max_call_ms / 1000] * len(lanes)
         taken = []
         for item, fits in zip(items, within_budget(costs, budgets)):
             if fits:
