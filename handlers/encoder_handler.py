@@ -92,6 +92,7 @@ class EncoderHandler:
         self.isolator = Isolator(self._timed_run, self.config.isolation_budget,
                                  OomCaps({b: c for b, c in known.items() if c > 0}, on_learn=self._learned))
         self.mode = serving_mode(yaml_config)
+        self.batch_size = int(context.system_properties.get("batch_size") or 1)  # the frontend's batchSize
         timeout = yaml_config.get("responseTimeout")
         self.response_timeout = timeout if isinstance(timeout, int) and timeout > 1 else 120
         if self.mode == "continuous":  # joined before warmup: siblings see this worker long before it polls
@@ -337,7 +338,7 @@ class EncoderHandler:
             new = [i for i in range(len(data)) if ids.get(i) not in self.running]
             items = self.tokenize(self.parse(data, context, outcomes, new), outcomes)
             mine = [ids.get(i) for i in range(len(data))]
-            if not alone:
+            if not alone and len(data) >= self.batch_size:  # a full call: more may wait in TorchServe's queue
                 items = self._fit_call(items, outcomes)
             with self.finished_cond:  # held while admitting, so no lane can finish a ticket not yet in `running`
                 for item in items:
@@ -366,11 +367,12 @@ class EncoderHandler:
         return self.answer(outcomes, context, sizes, padded)
 
     def _fit_call(self, items: list[Item], outcomes: list) -> list[Item]:
-        """Continuous mode with siblings: take in only the work that can end within max_call_ms per
-        lane (a request's share of its bucket's pass at cap, from the latency profile; a lane always
-        takes its first request) and answer the rest 503 at once. A call is answered
-        whole, and while every worker is inside a call new requests wait in TorchServe's queue,
-        where the handler cannot see or shed them: short calls keep that wait short."""
+        """Continuous mode with siblings, a full call (TorchServe may hold more requests): take in
+        only the work that can end within max_call_ms per lane (a request's share of its bucket's
+        pass at cap, from the latency profile; a lane always takes its first request) and answer
+        the rest 503 at once. A call is answered whole, and while every worker is inside a call new
+        requests wait in TorchServe's queue, where the handler cannot see or shed them: short calls
+        keep that wait short. A call that is not full took every request waiting: nothing is shed."""
         lanes = self.engine.lanes
         lane_of = {bucket: i for i, lane in enumerate(lanes) for bucket in lane}
         costs = [(lane_of[item.bucket], self._pass_seconds(item.bucket) / self.cap_for(item.bucket))

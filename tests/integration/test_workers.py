@@ -114,7 +114,7 @@ def test_a_call_with_siblings_takes_in_only_what_fits_its_budget_and_sheds_the_r
     pool = workers(minilm_dir, 2, poll_ms=5, max_call_ms=1, max_batch_size=1)
     for handler, _ in pool:
         handler.profile = _FlatProfile()  # every pass 50 ms, one request each: one per lane fits a call
-    frontend = SharedQueueFrontend(pool)
+    frontend = SharedQueueFrontend(pool, batch_size=pool[0][1].system_properties["batch_size"])
     try:
         for i in range(12):
             frontend.submit(f"c{i}", f"call budget request {i}")
@@ -124,6 +124,12 @@ def test_a_call_with_siblings_takes_in_only_what_fits_its_budget_and_sheds_the_r
         assert set(statuses) == {200, 503}
         refused = next(r for r in frontend.replies.values() if r.status == 503)
         assert refused.headers.get("Retry-After") == "1" and "retry" in refused.body["error"]
+        # a call that is not full (fewer than the frontend's batchSize, 8 here) took every request
+        # waiting: nothing waits in TorchServe's queue, so nothing is shed
+        for i in range(3):
+            frontend.submit(f"small{i}", f"a small call {i}")
+        assert frontend.wait([f"small{i}" for i in range(3)], timeout=60)
+        assert [frontend.replies[f"small{i}"].status for i in range(3)] == [200] * 3
     finally:
         frontend.close()
 
