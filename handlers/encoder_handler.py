@@ -338,7 +338,7 @@ class EncoderHandler:
             new = [i for i in range(len(data)) if ids.get(i) not in self.running]
             items = self.tokenize(self.parse(data, context, outcomes, new), outcomes)
             mine = [ids.get(i) for i in range(len(data))]
-            if not alone and len(data) >= self.batch_size:  # a full call: more may wait in TorchServe's queue
+            if not alone and len(data) >= max(2, self.batch_size // 4):  # a backlog in TorchServe's queue
                 items = self._fit_call(items, outcomes)
             with self.finished_cond:  # held while admitting, so no lane can finish a ticket not yet in `running`
                 for item in items:
@@ -367,12 +367,13 @@ class EncoderHandler:
         return self.answer(outcomes, context, sizes, padded)
 
     def _fit_call(self, items: list[Item], outcomes: list) -> list[Item]:
-        """Continuous mode with siblings, a full call (TorchServe may hold more requests): take in
-        only the work that can end within max_call_ms per lane (a request's share of its bucket's
-        pass at cap, from the latency profile; a lane always takes its first request) and answer
-        the rest 503 at once. A call is answered whole, and while every worker is inside a call new
-        requests wait in TorchServe's queue, where the handler cannot see or shed them: short calls
-        keep that wait short. A call that is not full took every request waiting: nothing is shed."""
+        """Continuous mode with siblings, a call that found a backlog (a quarter of batchSize or more:
+        the frontend gathers a call for 1 ms, so these had queued): take in only the work that can
+        end within max_call_ms per lane (a request's share of its bucket's pass at cap, from the
+        latency profile; a lane always takes its first request) and answer the rest 503 at once. A
+        call is answered whole, and while every worker is inside a call new requests wait in
+        TorchServe's queue, where the handler cannot see or shed them: short calls keep that wait
+        short and drain that queue faster than it fills."""
         lanes = self.engine.lanes
         lane_of = {bucket: i for i, lane in enumerate(lanes) for bucket in lane}
         costs = [(lane_of[item.bucket], self._pass_seconds(item.bucket) / self.cap_for(item.bucket))
