@@ -5,6 +5,7 @@ broken archive never reaches its first request.
 """
 from __future__ import annotations
 
+import difflib
 import enum
 import re
 from dataclasses import dataclass, field, fields
@@ -78,8 +79,11 @@ class HandlerConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(map(str, set(section) - known))
         if unknown:
+            hints = {k: difflib.get_close_matches(k, sorted(known), n=1) for k in unknown}
+            near = "; ".join(f"{k!r}: did you mean {m[0]!r}?" for k, m in hints.items() if m)
             raise ConfigError(
-                f"handler: unknown key(s) {unknown}; known keys are {', '.join(sorted(known))}"
+                f"handler: unknown key(s) {unknown}" + (f" ({near})" if near else "")
+                + "; the README's handler table lists the known keys"
             )
         if "task" not in section:
             raise ConfigError(

@@ -104,7 +104,7 @@ class EncoderHandler:
         if self.config.warmup:
             self.profile = self._warm_up(context.model_name, model_dir, yaml_config, lanes)
             self.metrics.warmup(self.profile)
-        for bucket in sorted(self.isolator.caps.caps.keys() | self.unfit):
+        for bucket in self.edges:  # every bucket's cap, learned from out of memory or not
             self.metrics.cap(bucket, 0 if bucket in self.unfit else self.cap_for(bucket))
         self.runner.mark_ready()
         if lanes is not None:

@@ -124,7 +124,15 @@ def test_unknown_keys_are_named(section, names):
     message = str(caught.value)
     assert "unknown key" in message
     assert str(names) in message
-    assert "known keys are" in message and "max_batch_size, max_batch_tokens" in message
+    assert "handler table lists the known keys" in message and len(message) < 400
+
+
+def test_an_unknown_key_close_to_a_known_one_gets_a_suggestion():
+    with pytest.raises(ConfigError) as caught:
+        HandlerConfig.from_yaml({"task": "embedding", "max_len": 128, "bucket": [16], "zzz": 1})
+    message = str(caught.value)
+    assert "'bucket': did you mean 'buckets'?" in message and "'max_len': did you mean 'max_length'?" in message
+    assert "'zzz': did" not in message
 
 
 def test_config_error_is_a_value_error():
