@@ -391,13 +391,11 @@ class EncoderHandler:
 
     def _wait_for_one(self, mine: list) -> None:
         """Continuous mode, the model's only worker: wait until one of this call's requests is
-        done, or `poll_ms` passed while a lane is idle (a new request could run now, so go back
-        to the frontend for it). While every lane is busy a newcomer could not start sooner, so
-        the call waits on instead of re-polling. Called under finished_cond."""
-        poll = self.config.poll_ms / 1000
-        while not self.finished_cond.wait_for(lambda: any(rid in self.finished for rid in mine), timeout=poll):
-            if self.engine.idle_lanes():
-                return
+        done, at most `poll_ms`, then go back to the frontend for new arrivals (and, under
+        overload, to shed them: a call held while every lane is busy let TorchServe's own queue
+        fill). Called under finished_cond."""
+        self.finished_cond.wait_for(lambda: any(rid in self.finished for rid in mine),
+                                    timeout=self.config.poll_ms / 1000)
 
     def _wait_for_all(self, mine: list) -> None:
         """Continuous mode with siblings: answer every request of the call in this one reply.

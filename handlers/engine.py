@@ -60,10 +60,6 @@ class Engine:
         for thread in self.threads:
             thread.start()
 
-    def idle_lanes(self) -> int:
-        """Lanes not running a pass now (a hint: read without the lock)."""
-        return self.busy.count(False)
-
     def submit(self, tickets: Sequence[Ticket]) -> None:
         """Queue tickets (Overloaded propagates for the one that does not fit) and wake the lanes."""
         with self.cond:
