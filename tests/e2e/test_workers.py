@@ -168,15 +168,14 @@ def test_scaling_one_to_three_to_one_under_load_answers_every_request(shipped):
     assert not unanswered, f"{len(unanswered)} of {len(shots)} requests got no answer: {unanswered[:3]}"
     # TorchServe 0.12 stops a scaled-down worker by closing its socket and interrupting its thread,
     # which may answer the requests it held with 500 "Worker died." (a race in WorkerThread.shutdown)
-    # instead of handing them to a sibling: those may fail, only at the scale-down. And while two
-    # new workers warm on the same 2 cores, the serving one slows and a backlog builds in
-    # TorchServe's queue: it sheds what its calls cannot take with 503 and Retry-After.
+    # instead of handing them to a sibling: those may fail, only at the scale-down. And while new
+    # workers warm (or stop) on the same 2 cores, the serving ones slow and a backlog builds in
+    # TorchServe's queue: they shed what their calls cannot take with 503 and Retry-After.
     died = [s for s in shots if s.status == 500]
     assert all(b"Worker" in s.body and down - 5 <= s.sent <= down_done for s in died), [s.body[:80] for s in died]
     assert len(died) <= 5, f"{len(died)} of {len(shots)} failed at the scale-down"
     shed = [s for s in shots if s.status == 503]
-    assert all(s.headers.get("Retry-After") and b"retry" in s.body and s.sent < down for s in shed), \
-        [s.body[:80] for s in shed]
+    assert all(s.headers.get("Retry-After") and b"retry" in s.body for s in shed), [s.body[:80] for s in shed]
     assert {s.status for s in shots} <= {200, 500, 503}
     assert sum(s.status == 200 for s in shots) >= len(shots) // 2, by_status(shots)
     assert len({s.headers.get(WORKER_HEADER) for s in shots}) >= 2, "one worker served everything"
