@@ -55,12 +55,15 @@ def reference(minilm_dir):
 
 
 def scale(served, workers: int) -> None:
-    for _ in range(3):  # TorchServe 0.12's WorkLoadManager sometimes answers 500 ConcurrentModificationException
+    # TorchServe 0.12's management API answers some scale calls under load with 500
+    # ConcurrentModificationException (WorkLoadManager) or IllegalStateException "Deque full" (the
+    # control command did not fit the model's job queue): an operator retries, so does the test
+    for _ in range(6):
         response = requests.put(f"{served.management}/models/{NAME}?min_worker={workers}&max_worker={workers}"
                                 "&synchronous=true", timeout=900)
-        if response.status_code != 500 or "ConcurrentModification" not in response.text:
+        if response.status_code != 500 or not any(m in response.text for m in ("ConcurrentModification", "Deque full")):
             break
-        time.sleep(2)
+        time.sleep(3)
     assert response.status_code == 200, response.text
     server.wait_ready(served.management, NAME, 900, min_workers=workers)
     wait_until(lambda: len(server.workers(served.management, NAME)) == workers, 120, what=f"{workers} workers")
