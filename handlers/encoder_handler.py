@@ -265,13 +265,18 @@ class EncoderHandler:
         return Engine(Scheduler(policy, self.cap_for), self.isolator, [lane for lane, _ in lanes],
                       deliver=self._deliver, on_batch=self._on_scheduled_batch,
                       on_lane_start=lambda i: self.runner.use_threads(lanes[i][1], background=i > 0),
-                      pass_seconds=self._pass_seconds)
+                      pass_seconds=self._pass_seconds, typical_pass=self._typical_pass)
 
     def _pass_seconds(self, bucket: int) -> float:
         """How long a pass of this bucket takes at its cap (p90 from warmup's latency profile; 0
         without one): a request that cannot finish by its deadline gets 504 before it runs."""
         timing = self.profile.lookup(self.cap_for(bucket), bucket) if self.profile else None
         return timing.p90_ms / 1000 if timing else 0.0
+
+    def _typical_pass(self, size: int, bucket: int) -> float:
+        """The median time of a pass of this shape in warmup (0 without a profile or the shape)."""
+        timing = self.profile.lookup(size, bucket) if self.profile else None
+        return timing.median_ms / 1000 if timing else 0.0
 
     def cap_for(self, bucket: int) -> int:
         """Largest batch of this bucket: the token budget, max_batch_size and the tuned
@@ -281,6 +286,7 @@ class EncoderHandler:
         return self.isolator.caps.cap(bucket, cap)
 
     def handle(self, data: list, context):
+        self.metrics.handler_call()
         if self.mode == "async":
             return self._handle_async(data, context)  # TorchServe awaits the coroutine
         if self.mode == "continuous":
@@ -391,11 +397,15 @@ class EncoderHandler:
 
     def _wait_for_one(self, mine: list) -> None:
         """Continuous mode, the model's only worker: wait until one of this call's requests is
-        done, at most `poll_ms`, then go back to the frontend for new arrivals (and, under
-        overload, to shed them: a call held while every lane is busy let TorchServe's own queue
-        fill). Called under finished_cond."""
-        self.finished_cond.wait_for(lambda: any(rid in self.finished for rid in mine),
-                                    timeout=self.config.poll_ms / 1000)
+        done, then answer it. With nothing done, the call goes back to the frontend for new
+        arrivals only when they could start: after `poll_ms` while a lane is idle, else `poll_ms`
+        before the first busy lane's pass should end (by the latency profile), so what arrived
+        during that pass is taken in, or shed, in time for the lane's next batch. TorchServe calls
+        a worker that holds requests back to back, so this wait is its only pacing. Called under
+        finished_cond."""
+        poll = self.config.poll_ms / 1000
+        hold = max(poll, self.engine.free_in() - poll)
+        self.finished_cond.wait_for(lambda: any(rid in self.finished for rid in mine), timeout=hold)
 
     def _wait_for_all(self, mine: list) -> None:
         """Continuous mode with siblings: answer every request of the call in this one reply.

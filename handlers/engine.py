@@ -42,9 +42,12 @@ class Engine:
                  deliver: Callable[[Ticket, Any, int], None], clock: Callable[[], float] = time.monotonic,
                  on_batch: Callable[..., None] | None = None,
                  on_lane_start: Callable[[int], None] | None = None,
-                 pass_seconds: Callable[[int], float] | None = None):
+                 pass_seconds: Callable[[int], float] | None = None,
+                 typical_pass: Callable[[int, int], float] | None = None):
         self.scheduler = scheduler
         self.pass_seconds = pass_seconds or (lambda bucket: 0.0)
+        # (batch size, bucket) -> typical seconds of that pass (0: unknown), for `free_in`
+        self.typical_pass = typical_pass or (lambda size, bucket: 0.0)
         self.isolator = isolator
         self.deliver = deliver
         self.clock = clock
@@ -53,6 +56,8 @@ class Engine:
         self.cond = threading.Condition()
         self.lanes = [tuple(lane) for lane in lanes]
         self.busy = [False] * len(self.lanes)  # guarded by cond: lane i is running a pass
+        # guarded by cond: when lane i's pass started and how long such a pass typically takes
+        self.passes = [(0.0, 0.0)] * len(self.lanes)
         self.threads = [
             threading.Thread(target=self._lane, args=(i, lane), name=f"tsbatch-lane-{i}", daemon=True)
             for i, lane in enumerate(lanes)
@@ -91,6 +96,7 @@ class Engine:
                 return
             if picked is not None:
                 self.busy[index] = True
+                self.passes[index] = (now, self.typical_pass(picked[0].size, picked[0].bucket))
                 self.cond.notify_all()  # a later lane may now help with what this one leaves queued
         try:
             self._run(expired, picked)
@@ -98,6 +104,17 @@ class Engine:
             with self.cond:
                 self.busy[index] = False
                 self.cond.notify_all()  # a lane waiting to help re-checks who is busy
+
+    def free_in(self) -> float:
+        """Seconds until some lane can start new work: 0 while one is idle (or the profile does not
+        know a running shape), else until the first busy lane's pass should end by its typical
+        time. A pass that overran it (a noisy machine, isolation) may end any moment, but is not
+        checked on more often than a tenth of its typical time."""
+        with self.cond:
+            if not all(self.busy):
+                return 0.0
+            now = self.clock()
+            return min(max(started + typical - now, typical / 10) for started, typical in self.passes)
 
     def _helped(self, index: int) -> tuple[int, ...]:
         """Buckets of earlier (shorter) lanes that are busy now: lane `index` may run their batches

@@ -41,6 +41,7 @@ SPECS = {s.name: s for s in (
     Spec("tsbatch_batch_cap", GAUGE, "count", ("bucket",), "largest batch the bucket may form (learned from out of memory; 0: none fits)"),
     Spec("tsbatch_rejected_total", COUNTER, "count", ("reason",), "requests refused with 503 (queue full, or a call's work budget)"),
     Spec("tsbatch_deadline_missed_total", COUNTER, "count", ("bucket",), "requests answered 504 at their deadline"),
+    Spec("tsbatch_handler_calls_total", COUNTER, "count", (), "times TorchServe called the handler (re-polls included)"),
     Spec("tsbatch_warmup_seconds", GAUGE, "seconds", ("bucket", "batch"), "warmup time spent on one shape"),
     Spec("tsbatch_warmup_total_seconds", GAUGE, "seconds", (), "warmup time before READY"),
     Spec("tsbatch_gpu_memory_used_bytes", GAUGE, "bytes", ("device",), "GPU memory used (nvidia-ml-py)"),
@@ -63,6 +64,8 @@ class Metrics:
         self._last_gpu = float("-inf")
         self._failed: set[str] = set()
         self._lock = threading.Lock()
+        self._calls = 0  # handler calls not yet emitted
+        self._calls_emitted = clock()
 
     def emit(self, name: str, value: float, **labels: Any) -> None:
         spec = SPECS[name]
@@ -112,6 +115,15 @@ class Metrics:
 
     def deadline_missed(self, bucket: int) -> None:
         self.emit("tsbatch_deadline_missed_total", 1, bucket=bucket)
+
+    def handler_call(self) -> None:
+        """Counted on every call, emitted at most once a second: a metric line per call would cost
+        about what a continuous-mode re-poll itself costs. Called from TorchServe's thread only."""
+        self._calls += 1
+        now = self.clock()
+        if now - self._calls_emitted >= 1.0:
+            self.emit("tsbatch_handler_calls_total", self._calls)
+            self._calls, self._calls_emitted = 0, now
 
     def warmup(self, profile: Any) -> None:
         for shape in profile.shapes:

@@ -68,6 +68,23 @@ def test_a_call_returns_after_poll_ms_while_its_requests_still_run(continuous):
     assert all(r.status == 200 for r in frontend.replies.values())
 
 
+def test_a_busy_worker_is_called_about_once_per_pass_not_every_poll_ms(minilm_dir):
+    """TorchServe calls a worker that holds requests back to back; with every lane busy the call
+    waits until shortly before the pass should end (by the warmed profile), not poll_ms."""
+    handler, context = load_handler(minilm_dir, frontend=CONTINUOUS, buckets=[32, 256], max_batch_size=8,
+                                    long_lane_from=None, warmup=True, warmup_repeats=1, poll_ms=1)
+    assert handler.profile.lookup(8, 256) is not None
+    frontend = ContinuousFrontend(handler, context)
+    for i in range(8):
+        frontend.submit(f"long{i}", LONG + f" {i}")  # one 8 x 256 pass in the only lane
+    started = time.monotonic()
+    frontend.drain()
+    elapsed_ms = (time.monotonic() - started) * 1000
+    assert all(r.status == 200 for r in frontend.replies.values())
+    # paced by poll_ms alone the frontend would call once per millisecond of the pass
+    assert frontend.calls * 5 <= elapsed_ms, f"{frontend.calls} calls in {elapsed_ms:.0f} ms"
+
+
 def test_a_short_request_is_answered_while_a_long_pass_runs(continuous, reference):
     handler, context = continuous
     frontend = ContinuousFrontend(handler, context)

@@ -137,4 +137,4 @@ def test_a_call_with_siblings_takes_in_only_what_fits_its_budget_and_sheds_the_r
 
 class _FlatProfile:
     def lookup(self, batch, bucket):
-        return type("Timing", (), {"p90_ms": 50.0 * batch})()
+        return type("Timing", (), {"p90_ms": 50.0 * batch, "median_ms": 40.0 * batch})()

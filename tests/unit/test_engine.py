@@ -404,3 +404,42 @@ def test_with_one_lane_a_short_ticket_waits_for_the_long_pass(make_engine):
     assert deliveries.wait_count(5)
     order = [t for t, _, _ in deliveries.snapshot()]
     assert order[0] is long
+
+
+# -- free_in: when a lane can take new work (continuous mode paces its calls by it) ----------------
+
+def _until(predicate, timeout: float = WAIT) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def test_free_in_is_zero_while_a_lane_is_idle_then_the_first_typical_end(make_engine):
+    isolator = FakeIsolator(block=(64, 256))
+    engine, isolator, deliveries = make_engine(isolator, lanes=split_lanes(EDGES, 128), max_wait=0.0)
+    engine.typical_pass = lambda size, bucket: {64: 2.0, 256: 60.0}[bucket]
+    assert engine.free_in() == 0.0  # nothing runs
+    engine.submit([ticket(256)])
+    assert _until(lambda: len(isolator.calls) == 1)
+    assert engine.free_in() == 0.0  # the short lane is idle: a new short request could start now
+    engine.submit([ticket(64)])
+    assert _until(lambda: len(isolator.calls) == 2)
+    assert 1.0 < engine.free_in() <= 2.0  # both busy: the 64-token pass (2 s typical) ends first
+    real = engine.clock
+    engine.clock = lambda: real() + 3.0  # that pass has overrun its typical time
+    assert engine.free_in() == pytest.approx(0.2)  # a tenth of it, not 0: no re-poll storm
+    engine.clock = real
+    isolator.release.set()
+    assert deliveries.wait_count(2)
+    assert _until(lambda: engine.free_in() == 0.0)
+
+
+def test_free_in_is_zero_when_the_profile_does_not_know_the_running_shape(make_engine):
+    isolator = FakeIsolator(block=(256,))
+    engine, isolator, deliveries = make_engine(isolator, max_wait=0.0)  # one lane, no typical_pass
+    engine.submit([ticket(256)])
+    assert _until(lambda: len(isolator.calls) == 1)
+    assert engine.free_in() == 0.0  # unknown: go back for arrivals after poll_ms, as without a profile
