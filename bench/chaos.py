@@ -18,27 +18,20 @@ Drills, each bounded in requests and seconds:
   must show that worker's warmup. Clients give up after --client-timeout: what is still open
   then is "unanswered" (the target is zero).
 
-Writes bench/results/chaos.json and chaos.md. The helpers (shoot, Load, wait_busy, ...) are
-shared with tests/e2e/test_reliability.py.
+Writes bench/results/chaos.json and chaos.md. The load, /proc and torchserve helpers live in
+bench/loadtest/; tests/e2e/test_reliability.py runs short versions.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
-import concurrent.futures
 import json
-import math
 import os
-import re
 import signal
 import sys
 import tempfile
-import threading
 import time
-import urllib.error
-import urllib.request
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
@@ -46,290 +39,15 @@ if REPO not in sys.path:
 
 from archiver import server  # noqa: E402
 from archiver.tune import frontend_keys  # noqa: E402
-from bench.loadgen import _read_response  # noqa: E402
+from bench.loadtest import report as reports  # noqa: E402
+from bench.loadtest.arrivals import poisson_arrivals  # noqa: E402
+from bench.loadtest.client import Shot, shoot  # noqa: E402
+from bench.loadtest.load import Load, open_loop  # noqa: E402
+from bench.loadtest.proc import MemorySampler  # noqa: E402
+from bench.loadtest.stats import by_status, percentile, rounded  # noqa: E402
+from bench.loadtest.torchserve import (WORKER_HEADER, read_text, reap_workers, restore_workers, wait_busy,  # noqa: E402
+                                       wait_until, warmups, worker_pids)
 
-WORKER_HEADER = "x-tsbatch-worker"
-WARMUP_DONE = re.compile(r"tsbatch warmup done in ([\d.]+)s by worker pid (\d+)")
-TEXT = "text/plain"
-
-
-# -- one request on its own connection ---------------------------------------------------------
-
-@dataclass
-class Shot:
-    """One request: when it left (monotonic), and its answer or why there was none."""
-
-    sent: float
-    status: int | None = None
-    latency: float | None = None  # seconds from send to the whole answer
-    headers: dict = field(default_factory=dict)
-    body: bytes = b""
-    error: str = ""
-    tag: str = ""
-
-    @property
-    def answered(self) -> bool:
-        return self.status is not None
-
-    @property
-    def done_at(self) -> float | None:
-        return None if self.latency is None else self.sent + self.latency
-
-    def json(self) -> Any:
-        try:
-            return json.loads(self.body)
-        except ValueError:
-            return None
-
-
-def split_url(url: str) -> tuple[str, int, str]:
-    hostport, _, path = url.removeprefix("http://").partition("/")
-    host, _, port = hostport.partition(":")
-    return host, int(port or 80), "/" + path
-
-
-async def shoot(url: str, body: bytes, content_type: str = TEXT, headers: dict | None = None,
-                timeout: float = 60.0, tag: str = "") -> Shot:
-    """POST `body` on a fresh connection (Connection: close); never raises: failures are recorded."""
-    host, port, path = split_url(url)
-    extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
-    head = (f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: {content_type}\r\n{extra}"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
-    shot = Shot(time.monotonic(), tag=tag)
-    started = time.perf_counter()
-    writer = None
-    try:
-        async with asyncio.timeout(timeout):
-            reader, writer = await asyncio.open_connection(host, port)
-            writer.write(head + body)
-            await writer.drain()
-            status, raw_headers, payload = await _read_response(reader)
-    except Exception as error:  # noqa: BLE001 - a lost answer is data here, not a crash
-        shot.error = type(error).__name__
-        return shot
-    finally:
-        if writer is not None:
-            writer.close()
-    shot.latency = time.perf_counter() - started
-    shot.status = status
-    shot.headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in raw_headers.items()}
-    shot.body = payload
-    return shot
-
-
-class Load:
-    """An event loop on a background thread: fire requests (send), or keep closed-loop clients
-    running (clients) while the caller kills things; every shot lands in `shots`."""
-
-    def __init__(self):
-        self.shots: list[Shot] = []
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="chaos-load", daemon=True)
-        self._thread.start()
-        self._stopping = threading.Event()
-        self._futures: list[concurrent.futures.Future] = []
-
-    def send(self, url: str, body: bytes, content_type: str = TEXT, headers: dict | None = None,
-             timeout: float = 60.0, tag: str = "") -> concurrent.futures.Future:
-        async def one():
-            shot = await shoot(url, body, content_type, headers, timeout, tag)
-            self.shots.append(shot)
-            return shot
-
-        future = asyncio.run_coroutine_threadsafe(one(), self.loop)
-        self._futures.append(future)
-        return future
-
-    def clients(self, url: str, bodies: Sequence[bytes], count: int, timeout: float,
-                pause_after_error: float = 1.0, tag: str = "client") -> None:
-        """`count` closed-loop clients, each sending the next body when its last one is answered."""
-        async def client(offset: int):
-            i = offset
-            while not self._stopping.is_set():
-                shot = await shoot(url, bodies[i % len(bodies)], timeout=timeout, tag=tag)
-                self.shots.append(shot)
-                i += count
-                if shot.status != 200:
-                    await asyncio.sleep(pause_after_error)
-
-        for k in range(count):
-            self._futures.append(asyncio.run_coroutine_threadsafe(client(k), self.loop))
-
-    def prober(self, url: str, every: float, timeout: float, tag: str = "probe") -> None:
-        """One short request every `every` seconds, whatever happened to the last ones."""
-        async def probe():
-            pending = set()
-            while not self._stopping.is_set():
-                task = asyncio.ensure_future(shoot(url, b"probe: are you serving?", timeout=timeout, tag=tag))
-                task.add_done_callback(lambda t: self.shots.append(t.result()))
-                pending.add(task)
-                await asyncio.sleep(every)
-            if pending:
-                await asyncio.wait(pending)
-
-        self._futures.append(asyncio.run_coroutine_threadsafe(probe(), self.loop))
-
-    def stop(self) -> None:
-        """Clients and probers send nothing new; requests already out still finish."""
-        self._stopping.set()
-
-    def close(self, timeout: float) -> bool:
-        """Wait up to `timeout` for everything sent to finish; True if it all did."""
-        self.stop()
-        done, pending = concurrent.futures.wait(self._futures, timeout=timeout)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(5)
-        return not pending
-
-
-def burst(url: str, bodies: Sequence[bytes], headers: dict | None = None, timeout: float = 60.0) -> list[Shot]:
-    """Every body at once, each on its own connection; shots in body order."""
-    async def run():
-        return await asyncio.gather(*(shoot(url, b, headers=headers, timeout=timeout) for b in bodies))
-
-    return list(asyncio.run(run()))
-
-
-def open_loop(url: str, bodies: Sequence[bytes], arrivals: Sequence[float], headers: dict | None = None,
-              timeout: float = 60.0) -> list[Shot]:
-    """Each body leaves at its arrival time (seconds from start), answered or not."""
-    async def run():
-        start = time.perf_counter()
-        tasks = []
-        for body, at in zip(bodies, arrivals):
-            delay = at - (time.perf_counter() - start)
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(shoot(url, body, headers=headers, timeout=timeout)))
-        return await asyncio.gather(*tasks)
-
-    return list(asyncio.run(run()))
-
-
-# -- processes ---------------------------------------------------------------------------------
-
-def cpu_seconds(pid: int) -> float | None:
-    """User + system CPU time of a process, from /proc; None once it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields_ = f.read().rsplit(")", 1)[1].split()
-        return (int(fields_[11]) + int(fields_[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def rss_kb(pid: int | None) -> int | None:
-    if pid is None:
-        return None
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return int(re.search(r"VmRSS:\s+(\d+)", f.read()).group(1))
-    except (OSError, AttributeError):
-        return None
-
-
-def worker_pids(management: str, model: str) -> list[int]:
-    return [int(w["pid"]) for w in server.workers(management, model) if w.get("pid")]
-
-
-def wait_until(predicate: Callable[[], Any], timeout: float, every: float = 0.2, what: str = "condition") -> Any:
-    """Poll `predicate` until it returns something truthy; TimeoutError after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            value = predicate()
-        except (urllib.error.URLError, OSError, ValueError):
-            value = None
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} not reached within {timeout:.0f}s")
-        time.sleep(every)
-
-
-def wait_busy(pids: Iterable[int], cpu: float = 0.3, timeout: float = 60.0) -> int:
-    """The first of `pids` to burn `cpu` seconds of CPU from now: the worker running a batch."""
-    pids = list(pids)
-    base = {pid: cpu_seconds(pid) or 0.0 for pid in pids}
-
-    def busy():
-        for pid in pids:
-            now = cpu_seconds(pid)
-            if now is not None and now - base[pid] >= cpu:
-                return pid
-        return None
-
-    return wait_until(busy, timeout, every=0.02, what=f"a worker of {pids} busy for {cpu}s of CPU")
-
-
-def warmups(log_text: str) -> dict[int, float]:
-    """pid -> warmup seconds, from the model log's 'tsbatch warmup done' lines."""
-    return {int(pid): float(sec) for sec, pid in WARMUP_DONE.findall(log_text)}
-
-
-def read_text(path: str) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return f.read()
-    except OSError:
-        return ""
-
-
-class MemorySampler:
-    """RSS of the JVM and of the model's workers every `every` seconds: start, end and peak."""
-
-    def __init__(self, java_pid: int | None, pids: Callable[[], list[int]], every: float = 0.5):
-        self.java_pid, self.pids, self.every = java_pid, pids, every
-        self.samples: list[dict] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="chaos-rss", daemon=True)
-
-    def sample(self) -> dict:
-        try:
-            workers = {pid: rss_kb(pid) for pid in self.pids()}
-        except (urllib.error.URLError, OSError, ValueError):
-            workers = {}
-        return {"t": time.monotonic(), "jvm_rss_kb": rss_kb(self.java_pid),
-                "worker_rss_kb": sum(v for v in workers.values() if v)}
-
-    def _run(self):
-        while not self._stop.is_set():
-            self.samples.append(self.sample())
-            self._stop.wait(self.every)
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join(5)
-        self.samples.append(self.sample())
-
-    def summary(self) -> dict:
-        out = {}
-        for key in ("jvm_rss_kb", "worker_rss_kb"):
-            values = [s[key] for s in self.samples if s[key]]
-            if values:
-                out[key] = {"start": values[0], "end": values[-1], "peak": max(values)}
-        return out
-
-
-# -- summaries ---------------------------------------------------------------------------------
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
-
-
-def by_status(shots: Iterable[Shot]) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for shot in shots:
-        key = str(shot.status) if shot.answered else f"unanswered:{shot.error or 'none'}"
-        counts[key] = counts.get(key, 0) + 1
-    return dict(sorted(counts.items()))
 
 
 def answer_problems(shots: Iterable[Shot], allowed=(200, 503, 504)) -> list[str]:
@@ -351,8 +69,6 @@ def answer_problems(shots: Iterable[Shot], allowed=(200, 503, 504)) -> list[str]
     return problems
 
 
-# -- drills ------------------------------------------------------------------------------------
-
 def measure_capacity(url: str, bodies: Sequence[bytes], clients: int, seconds: float, timeout: float = 60) -> dict:
     """Closed loop: `clients` clients for `seconds`; capacity = 200 answers per second."""
     load = Load()
@@ -365,15 +81,13 @@ def measure_capacity(url: str, bodies: Sequence[bytes], clients: int, seconds: f
     ok = [s for s in load.shots if s.status == 200 and s.done_at is not None and s.done_at <= started + elapsed]
     return {"clients": clients, "seconds": round(elapsed, 1), "answered_200": len(ok),
             "capacity_rps": round(len(ok) / elapsed, 2), "by_status": by_status(load.shots),
-            "p50_s": _round(percentile([s.latency for s in ok], 50))}
+            "p50_s": rounded(percentile([s.latency for s in ok], 50))}
 
 
 def overload_drill(inference: str, management: str, model: str, java_pid: int | None, bodies: Sequence[bytes],
                    capacity_rps: float, factor: float, seconds: float, deadline_ms: int,
                    client_timeout: float, max_requests: int = 20000, seed: int = 0) -> dict:
     """Open loop at factor x capacity: every answer 200/503/504, accepted within their deadline."""
-    from bench.workload import poisson_arrivals
-
     url = f"{inference}/predictions/{model}"
     rate = factor * capacity_rps
     arrivals = poisson_arrivals(rate, seconds, seed)[:max_requests]
@@ -395,13 +109,13 @@ def overload_drill(inference: str, management: str, model: str, java_pid: int | 
         "answered": sum(s.answered for s in shots), "unanswered": sum(not s.answered for s in shots),
         "by_status": by_status(shots),
         "accepted": len(accepted),
-        "accepted_p50_s": _round(percentile(accepted, 50)), "accepted_p99_s": _round(percentile(accepted, 99)),
-        "accepted_max_s": _round(max(accepted, default=None)),
+        "accepted_p50_s": rounded(percentile(accepted, 50)), "accepted_p99_s": rounded(percentile(accepted, 99)),
+        "accepted_max_s": rounded(max(accepted, default=None)),
         "deadline_misses_among_accepted": sum(lat > deadline for lat in accepted),
-        "accepted_over_deadline_by_s": {"p50": _round(percentile([max(0.0, l - deadline) for l in accepted], 50)),
-                                        "max": _round(max((l - deadline for l in accepted), default=None))},
-        "504_latency_s": {"p50": _round(percentile(timed_out, 50)), "max": _round(max(timed_out, default=None))},
-        "503_latency_s": {"p50": _round(percentile(rejected, 50)), "max": _round(max(rejected, default=None))},
+        "accepted_over_deadline_by_s": {"p50": rounded(percentile([max(0.0, l - deadline) for l in accepted], 50)),
+                                        "max": rounded(max((l - deadline for l in accepted), default=None))},
+        "504_latency_s": {"p50": rounded(percentile(timed_out, 50)), "max": rounded(max(timed_out, default=None))},
+        "503_latency_s": {"p50": rounded(percentile(rejected, 50)), "max": rounded(max(rejected, default=None))},
         "frontend_503s": sum(s.status == 503 and b"ServiceUnavailableException" in s.body for s in shots),
         "rejected_503_with_retry_after": sum(s.status == 503 and "retry-after" in s.headers for s in shots),
         "problems": problems[:20], "problem_count": len(problems),
@@ -484,74 +198,9 @@ def kill_drill(inference: str, management: str, model: str, log_path: str, bodie
     })
     return result
 
-
-def alive(pid: int) -> bool:
-    """The process exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
-def restore_workers(management: str, model: str, workers: int, timeout: float) -> list[int]:
-    """Scale to 0 and back: TorchServe 0.12's async worker thread never reports READY again after
-    a crash (its loadingFinished flag survives the restart); a fresh thread does. Returns the pids
-    of old workers still running 10 s after the scale-down: TorchServe 0.12 does not stop a
-    restarted async worker (killing it only makes its thread start another), and the process
-    outlives `torchserve --stop`; reap_workers() ends them once the server is stopped."""
-    stale = worker_pids(management, model)
-    left: list[int] = []
-    for count in (0, workers):
-        request = urllib.request.Request(
-            f"{management}/models/{model}?min_worker={count}&max_worker={max(count, 1)}&synchronous=true",
-            method="PUT")
-        with urllib.request.urlopen(request, timeout=timeout):
-            pass
-        if count == 0:
-            try:
-                wait_until(lambda: not any(alive(pid) for pid in stale), 10, what="scaled-down workers gone")
-            except TimeoutError:
-                left = [pid for pid in stale if alive(pid)]
-    server.wait_ready(management, model, timeout)
-    return left
-
-
-def worker_processes(tmpdir: str) -> list[int]:
-    """Live Python workers of the torchserve whose TMPDIR is `tmpdir` (their sockets live there)."""
-    marker = os.path.join(tmpdir, ".ts.sock.")
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read().decode("utf-8", "replace")
-        except OSError:
-            continue
-        if "model_service_worker.py" in cmdline and marker in cmdline and alive(int(entry)):
-            found.append(int(entry))
-    return found
-
-
-def reap_workers(tmpdir: str) -> list[int]:
-    """After `torchserve --stop`: kill, by pid, the workers of that server still running (see
-    restore_workers); returns their pids."""
-    pids = worker_processes(tmpdir)
-    for pid in pids:
-        os.kill(pid, signal.SIGKILL)
-    return pids
-
-
-# -- the run -----------------------------------------------------------------------------------
-
-def _round(value: float | None, digits: int = 3) -> float | None:
-    return None if value is None else round(value, digits)
-
-
 def machine() -> dict:
-    load1, load5, _ = os.getloadavg()
-    return {"cpus": os.cpu_count(), "loadavg_1m": round(load1, 2), "loadavg_5m": round(load5, 2),
+    load1, load5, _ = reports.load_average()
+    return {"cpus": os.cpu_count(), "loadavg_1m": load1, "loadavg_5m": load5,
             "note": "shared and noisy: other engineers' tests and benchmarks may run at the same time"}
 
 
@@ -571,7 +220,7 @@ def run(args) -> dict:
 
     from archiver.package import ArchiveSpec, build_archive
     from archiver.properties import ServerSettings, install_log_config, install_metrics_config, model_config, render_properties
-    from bench.workload import Mix, make_requests
+    from bench.loadtest.workload import Mix, make_requests
 
     python = os.path.relpath(sys.executable, REPO) if sys.executable.startswith(REPO) else sys.executable
     report: dict[str, Any] = {"command": " ".join([python, "bench/chaos.py"] + list(args.argv)),
@@ -723,19 +372,15 @@ def main(argv=None) -> int:
                         help="seconds to wait for a new worker's first answer after the kill")
     parser.add_argument("--ready-timeout", type=float, default=900)
     parser.add_argument("--workers", type=int, default=1, help="workers of the shipped model (reports chaos-Nw.*)")
-    parser.add_argument("--out-dir", default=os.path.join(REPO, "bench", "results"))
+    parser.add_argument("--out-dir", default=reports.RESULTS)
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     server.stop_on_sigterm()  # so `finally` stops the torchserve
     args.argv = argv
     args.drills = {d.strip() for d in args.drills.split(",") if d.strip()}
     report = run(args)
-    os.makedirs(args.out_dir, exist_ok=True)
     stem = "chaos" if args.workers == 1 else f"chaos-{args.workers}w"
-    with open(os.path.join(args.out_dir, f"{stem}.json"), "w") as f:
-        json.dump(report, f, indent=1)
-    with open(os.path.join(args.out_dir, f"{stem}.md"), "w") as f:
-        f.write(markdown(report))
+    reports.write(os.path.join(args.out_dir, stem), report, markdown(report))
     print(markdown(report))
     o = report.get("overload")
     overload_ok = o is None or (o["unanswered"] == 0 and o["problem_count"] == 0

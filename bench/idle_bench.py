@@ -10,16 +10,15 @@ increasing length, with the worker's thread counts. Writes bench/results/idle.js
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from bench.run import percentile  # noqa: E402
+from bench.loadtest import report as reports  # noqa: E402
+from bench.loadtest.stats import percentile  # noqa: E402
 
 PAUSES_MS = (1, 10, 50, 100, 200)
 
@@ -53,7 +52,7 @@ def main() -> None:
     parser.add_argument("--model-dir", default=None, help="default: the packaged all-MiniLM-L6-v2")
     parser.add_argument("--samples", type=int, default=25)
     parser.add_argument("--buckets", default="16,256")
-    parser.add_argument("--out", default=os.path.join(REPO, "bench", "results"))
+    parser.add_argument("--out", default=reports.RESULTS)
     args = parser.parse_args()
 
     import torch
@@ -76,19 +75,14 @@ def main() -> None:
                 print(f"batch 1 x {bucket} tokens, {threads} thread(s), after {pause} ms idle: "
                       f"median {row['p50_ms']} ms, p90 {row['p90_ms']} ms", flush=True)
     rows = slowdown(rows)
-    report = {"when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-              "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
+    report = {"when": reports.utc_now(seconds=True), "machine": reports.machine(),
               "command": "make bench-idle", "model_dir": model_dir, "rows": rows}
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "idle.json"), "w") as f:
-        json.dump(report, f, indent=2)
     lines = [f"# One pass after an idle pause ({report['when']}, {report['machine']})", "",
              "| batch 1 x tokens | threads | pause | median | p90 | median vs 1 ms pause |",
              "|---|---|---|---|---|---|"]
     lines += [f"| {r['bucket']} | {r['threads']} | {r['pause_ms']} ms | {r['p50_ms']} ms | {r['p90_ms']} ms | "
               f"{r['vs_back_to_back']}x |" for r in rows]
-    with open(os.path.join(args.out, "idle.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    reports.write(os.path.join(args.out, "idle"), report, "\n".join(lines) + "\n", indent=2)
     print("\n".join(lines))
 
 

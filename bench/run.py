@@ -11,19 +11,16 @@ Open-loop Poisson arrivals over a short/long length mix, several offered rates p
 Arms take turns at each rate (and in each round at 70% of (b)'s capacity), so every ratio compares
 arms measured in the same minutes: on a shared machine the speed moves between runs (run 2 of
 2026-11-29 was ~1.6x slower throughout than run 1), and sequential arms would carry that into the
-ratios. Writes bench/results/bench.json, bench.md and bench.png.
+ratios. Writes bench/results/bench.json, bench.md and bench.png. The sweep and its rules (capacity,
+saturation) are in bench/loadtest/sweep.py.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import sys
 import tempfile
 import time
-from collections import Counter
-from typing import Callable
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -32,8 +29,9 @@ from archiver import server  # noqa: E402
 from archiver.package import ArchiveSpec, build_archive  # noqa: E402
 from archiver.properties import model_config  # noqa: E402
 from archiver.tune import frontend_keys  # noqa: E402
-from bench.loadgen import RunResult, run_one_in_flight, run_open_loop  # noqa: E402
-from bench.workload import Mix, make_requests, poisson_arrivals  # noqa: E402
+from bench.loadtest import report as reports  # noqa: E402
+from bench.loadtest.sweep import at_rate_interleaved, capacity, floor, measure, passes, sweep_interleaved  # noqa: E402
+from bench.loadtest.workload import Mix, make_requests  # noqa: E402
 
 FRONTEND = {"batchSize": 8, "maxBatchDelay": 10, "minWorkers": 1, "maxWorkers": 1, "responseTimeout": 120,
             "startupTimeout": 900,  # every arm warms at once on a small machine
@@ -57,65 +55,6 @@ ARMS = {
 }
 
 
-def percentile(values, q):
-    if not values:
-        return None
-    ordered = sorted(values)
-    k = min(len(ordered) - 1, max(0, int(round(q / 100 * (len(ordered) - 1)))))
-    return ordered[k]
-
-
-def summarize(run: RunResult) -> dict:
-    ok = [r for r in run.results if r.status == 200]
-    lost = [r for r in run.results if r.latency is None]
-    out = {
-        "offered_rate": run.rate, "sent": len(run.results), "ok": len(ok), "lost": len(lost),
-        "status": dict(Counter(str(r.status) for r in run.results if r.status is not None)),
-        "lost_errors": dict(Counter(r.error for r in lost)),
-        "throughput": round(len(ok) / run.wall, 2) if run.wall else 0.0,
-        "sent_rate": round(len(run.results) / run.duration, 2) if run.duration else 0.0,
-        "served_tokens_per_s": round(sum(r.tokens for r in ok) / run.wall, 1) if run.wall else 0.0,
-    }
-    real = sum(r.tokens for r in ok if r.padded_to)
-    padded = sum(r.padded_to for r in ok if r.padded_to)
-    out["padding_waste"] = round(1 - real / padded, 4) if padded else None
-    for kind in ("all", "short", "long"):
-        lat = [r.latency * 1000 for r in ok if kind == "all" or r.kind == kind]
-        out[kind] = {f"p{q}": (round(percentile(lat, q), 1) if lat else None) for q in (50, 95, 99)}
-        out[kind]["n"] = len(lat)
-    return out
-
-
-def brief(point: dict) -> str:
-    """One progress line for a measured rate."""
-    return (f"rate {point['offered_rate']:>5}: thr {point['throughput']:>6} p99 {point['all']['p99']} "
-            f"short p99 {point['short']['p99']} lost {point['lost']} status {point['status']}")
-
-
-def passes(point: dict, target_ms: float) -> bool:
-    """A rate is served within the target: p99 under it, every request answered 200."""
-    return (point["all"]["p99"] is not None and point["all"]["p99"] <= target_ms and point["lost"] == 0
-            and point["ok"] == point["sent"])
-
-
-def saturated(point: dict, target_ms: float) -> bool:
-    """Past what the arm can serve: higher rates would only lengthen its queue."""
-    p99 = point["all"]["p99"]
-    return (point["lost"] > 0 or p99 is None or p99 > 4 * target_ms
-            or point["throughput"] < 0.85 * point["sent_rate"])
-
-
-def capacity(points: list[dict], target_ms: float) -> float:
-    """The highest offered rate below the first one that misses the target (points in rising order).
-    Not the highest passing rate anywhere: one lucky window past the knee would count."""
-    best = 0.0
-    for point in sorted(points, key=lambda p: p["offered_rate"]):
-        if not passes(point, target_ms):
-            break
-        best = point["offered_rate"]
-    return best
-
-
 def build_arms(root: str, model_dir: str, arms: list[str]) -> str:
     store = os.path.join(root, "store")
     for arm in arms:
@@ -127,30 +66,6 @@ def build_arms(root: str, model_dir: str, arms: list[str]) -> str:
         build_archive(ArchiveSpec(model_dir, f"arm_{arm}", model_config(section, spec["frontend"]), store,
                                   extra_files=extra, handler=spec.get("handler", "handlers/encoder_handler.py")))
     return store
-
-
-def window(url: str, rate: float, duration: float, seed: int, load=run_open_loop):
-    """One window: Poisson arrivals at `rate` over the length mix (open loop unless `load` says)."""
-    arrivals = poisson_arrivals(rate, duration, seed)
-    requests = make_requests(len(arrivals), Mix(), seed)
-    return load(url, requests, arrivals, rate, duration)
-
-
-def measure(url: str, rate: float, duration: float, seed: int) -> dict:
-    return summarize(window(url, rate, duration, seed))
-
-
-def pooled(runs: list[RunResult]) -> RunResult:
-    """Several windows at one rate as one sample (more requests behind each percentile)."""
-    return RunResult(runs[0].rate, sum(r.duration for r in runs), [x for r in runs for x in r.results],
-                     sum(r.wall for r in runs))
-
-
-def rotated(items: list, turn: int) -> list:
-    """`items` starting at position `turn`: interleaved arms take turns going first, so a slow
-    minute on a shared machine does not always land on the same arm."""
-    turn %= len(items) or 1
-    return items[turn:] + items[:turn]
 
 
 def machine_limit(model_dir: str, seconds: float = 20.0) -> dict:
@@ -177,70 +92,6 @@ def machine_limit(model_dir: str, seconds: float = 20.0) -> dict:
     elapsed = time.perf_counter() - start
     return {"real_tokens_per_s": round(done_tokens / elapsed, 1),
             "shapes": "tsbatch buckets, batches of up to 8 per bucket (the frontend batchSize)"}
-
-
-def sweep_interleaved(urls: dict[str, str], rates: list[float], duration: float, target_ms: float,
-                      rounds: int = 1, leaves: Callable[[dict, float], bool] | None = None,
-                      label: str = "arm") -> dict:
-    """Every arm at each offered rate in turn (arms interleaved, the first one rotating), so the
-    arms of one run see the same machine; with `rounds` > 1 each arm gets that many windows per
-    rate, in turns, pooled. An arm leaves the sweep when `leaves(point, target_ms)` says so: by
-    default once saturated (it loses requests, its p99 passes 4x the target or it answers under
-    85% of what was sent), so the sweep shows its most throughput; its capacity is the rate before
-    the first one that misses the target."""
-    leaves = leaves or saturated
-    sweeps: dict[str, list[dict]] = {arm: [] for arm in urls}
-    active = list(urls)
-    for turn, rate in enumerate(rates):
-        runs: dict[str, list[RunResult]] = {arm: [] for arm in active}
-        for round_ in range(rounds):
-            for arm in rotated(active, turn + round_):
-                runs[arm].append(window(urls[arm], rate, duration, seed=100 * round_ + int(rate)))
-        for arm, arm_runs in runs.items():
-            point = summarize(pooled(arm_runs))
-            sweeps[arm].append(point)
-            print(f"{label} {arm} {brief(point)}", flush=True)
-            if leaves(point, target_ms):
-                active.remove(arm)
-        if not active:
-            break
-    return sweeps
-
-
-def at_rate_interleaved(urls: dict[str, str], rate: float, duration: float, rounds: int) -> dict:
-    """All arms at one rate for `rounds` interleaved windows each, pooled; each round's short p99
-    is kept too, so the report shows how much one window's tail moves."""
-    runs: dict[str, list[RunResult]] = {arm: [] for arm in urls}
-    rounds_short_p99: dict[str, list] = {arm: [] for arm in urls}
-    for turn in range(rounds):
-        for arm in rotated(list(urls), turn):
-            run = window(urls[arm], rate, duration, seed=7 + turn)
-            runs[arm].append(run)
-            rounds_short_p99[arm].append(summarize(run)["short"]["p99"])
-            print(f"arm {arm} at {rate}/s, round {turn + 1}: short p99 {rounds_short_p99[arm][-1]}", flush=True)
-    out = {}
-    for arm, arm_runs in runs.items():
-        point = summarize(pooled(arm_runs))
-        point["rounds_short_p99"] = rounds_short_p99[arm]
-        point["short_latencies_ms"] = [r.latency * 1000 for run in arm_runs for r in run.results
-                                       if r.status == 200 and r.kind == "short"]
-        out[arm] = point
-        print(f"arm {arm} at {rate}/s pooled: short p99 {point['short']['p99']} (rounds "
-              f"{point['rounds_short_p99']}) waste {point['padding_waste']} lost {point['lost']}", flush=True)
-    return out
-
-
-def floor(urls: dict[str, str], rate: float, duration: float) -> dict:
-    """Each arm at the first 70% window's arrivals and requests, but one request in flight at a
-    time: what a short request costs when it never waits behind another, after the idle gaps this
-    rate leaves (on a shared machine the caches go cold in them: `make bench-idle`). Scheduling can
-    only add to it, so its p99 / (b)'s short p99 is about the best ratio this machine allows here."""
-    out = {}
-    for arm, url in urls.items():
-        point = summarize(window(url, rate, duration, seed=7, load=run_one_in_flight))
-        out[arm] = {"short": point["short"], "ok": point["ok"], "sent": point["sent"]}
-        print(f"arm {arm} at {rate}/s, one request in flight, short requests: {point['short']}", flush=True)
-    return out
 
 
 def plot(report: dict, path: str) -> None:
@@ -307,7 +158,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=3,
                         help="interleaved windows per arm at 70%% of (b)'s capacity, pooled")
     parser.add_argument("--target-ms", type=float, default=500.0, help="p99 latency target")
-    parser.add_argument("--out", default=os.path.join(REPO, "bench", "results"))
+    parser.add_argument("--out", default=reports.RESULTS)
     parser.add_argument("--no-limit", action="store_true", help="skip the in-process machine limit")
     args = parser.parse_args(argv)
     if args.model_dir is None:
@@ -317,8 +168,7 @@ def main(argv=None) -> int:
     arms = args.arms.split(",")
     rates = [float(r) for r in args.rates.split(",")]
     os.makedirs(args.out, exist_ok=True)
-    report = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
+    report = {"when": reports.utc_now(), "machine": reports.machine(),
               "command": "make bench", "latency_target_ms": args.target_ms,
               "mix": "85% short (lognormal, median ~16 tokens), 15% long (200-256 tokens)",
               "duration": args.duration, "rounds": args.rounds, "frontend": FRONTEND, "arms": {}}
@@ -371,10 +221,7 @@ def main(argv=None) -> int:
                 ratios[f"short p99 at 70% of b: {ts_arm} one request in flight / b (the best this machine allows)"] = \
                     round(alone / base, 3)
     report["ratios"] = ratios
-    with open(os.path.join(args.out, "bench.json"), "w") as f:
-        json.dump(report, f, indent=1)
-    with open(os.path.join(args.out, "bench.md"), "w") as f:
-        f.write(markdown(report))
+    reports.write(os.path.join(args.out, "bench"), report, markdown(report))
     try:
         plot(report, os.path.join(args.out, "bench.png"))
     except ImportError:

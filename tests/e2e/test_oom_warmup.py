@@ -10,7 +10,7 @@ import requests
 import yaml
 
 from archiver import server
-from bench.chaos import Load
+from bench.loadtest.load import Load
 from tests.e2e.conftest import NAME, serve_built
 from tests.e2e.test_metrics import value
 from tests.support import cosine

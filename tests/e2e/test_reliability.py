@@ -23,9 +23,12 @@ from archiver import server
 from archiver.package import ArchiveSpec, build_archive
 from archiver.properties import ServerSettings, model_config, render_properties
 from archiver.server import free_ports
-from bench.chaos import (Load, MemorySampler, answer_problems, burst, by_status, measure_capacity,
-                         open_loop, percentile, reap_workers, restore_workers, shoot, wait_busy, wait_until,
-                         warmups, worker_pids)
+from bench.chaos import answer_problems, measure_capacity
+from bench.loadtest.client import shoot
+from bench.loadtest.load import Load, burst, open_loop
+from bench.loadtest.proc import MemorySampler
+from bench.loadtest.stats import by_status, percentile
+from bench.loadtest.torchserve import reap_workers, restore_workers, wait_busy, wait_until, warmups, worker_pids
 from handlers.encoder_handler import WORKER_HEADER
 from tests.e2e.conftest import ASYNC_FRONTEND, CONTINUOUS_FRONTEND, TEST_FRONTEND
 

@@ -1,7 +1,8 @@
-"""The benchmark's own rules (bench/run.py): capacity, saturation, pooling and turn-taking."""
-from bench.loadgen import Result, RunResult
+"""The benchmark's own rules (bench/loadtest/sweep.py): capacity, saturation, pooling and turn-taking."""
 from bench.idle_bench import slowdown
-from bench.run import capacity, passes, pooled, rotated, saturated, summarize
+from bench.loadtest.load import Result, RunResult
+from bench.loadtest.stats import summarize
+from bench.loadtest.sweep import capacity, passes, pooled, rotated, saturated
 
 
 def point(rate, p99, sent=100, ok=None, lost=0, throughput=None):
@@ -94,8 +95,8 @@ def _counting_server():
 
 
 def test_one_in_flight_never_sends_a_request_before_the_last_is_answered():
-    from bench.loadgen import run_one_in_flight, run_open_loop
-    from bench.workload import make_requests
+    from bench.loadtest.load import run_one_in_flight, run_open_loop
+    from bench.loadtest.workload import make_requests
 
     server, state = _counting_server()
     try:

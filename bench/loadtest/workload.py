@@ -47,13 +47,3 @@ def make_requests(count: int, mix: Mix = Mix(), seed: int = 0) -> list[Request]:
         requests.append(Request(" ".join(rng.choice(WORDS) for _ in range(words)), kind))
     return requests
 
-
-def poisson_arrivals(rate: float, duration: float, seed: int = 0) -> list[float]:
-    """Open-loop send times (seconds from start): exponential gaps at `rate` per second."""
-    rng = random.Random(seed + 1)
-    times, t = [], 0.0
-    while True:
-        t += rng.expovariate(rate)
-        if t >= duration:
-            return times
-        times.append(t)

@@ -1,0 +1,171 @@
+"""Many requests: open-loop windows of the workload, bursts, and background clients.
+
+- run_open_loop / run_one_in_flight: one window of workload Requests at their arrival times,
+  recorded as Results (kind, latency, tokens, padding) for the benchmark's summaries;
+- open_loop / burst: raw bodies at their arrival times, or all at once, recorded as Shots;
+- Load: an event loop on a background thread that keeps closed-loop clients and probers going
+  while the caller does something else (kills a worker, scales, samples memory).
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from bench.loadtest.arrivals import at_arrivals
+from bench.loadtest.client import TEXT, Shot, read_response, request_head, shoot, split_url
+from bench.loadtest.workload import Request
+
+TOKENS = re.compile(rb'"tokens":\s*(\d+)')
+
+
+@dataclass
+class Result:
+    kind: str
+    sent: float
+    latency: float | None  # seconds; None if no answer
+    status: int | None
+    tokens: int = 0
+    padded_to: int = 0
+    batch_size: int = 0
+    error: str = ""
+
+
+@dataclass
+class RunResult:
+    rate: float
+    duration: float
+    results: list[Result] = field(default_factory=list)
+    wall: float = 0.0
+
+
+async def _one(host: str, port: int, path: str, request: Request, sent: float, timeout: float) -> Result:
+    body = request.text.encode()
+    head = request_head(f"{host}:{port}", path, TEXT, len(body))
+    start = time.perf_counter()
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+        try:
+            writer.write(head + body)
+            await writer.drain()
+            status, headers, payload = await asyncio.wait_for(read_response(reader), timeout)
+        finally:
+            writer.close()
+    except Exception as error:  # noqa: BLE001 - recorded as a lost response
+        return Result(request.kind, sent, None, None, error=type(error).__name__)
+    latency = time.perf_counter() - start
+    if status == 200 and not payload.strip():
+        return Result(request.kind, sent, None, status, error="empty body")
+    match = TOKENS.search(payload[-200:]) or TOKENS.search(payload)
+    return Result(
+        request.kind, sent, latency, status,
+        tokens=int(match.group(1)) if match else 0,
+        padded_to=int(headers.get(b"x-tsbatch-padded-to", b"0") or 0),
+        batch_size=int(headers.get(b"x-tsbatch-batch-size", b"0") or 0),
+    )
+
+
+def run_open_loop(url: str, requests: list[Request], arrivals: list[float], rate: float,
+                  duration: float, timeout: float = 60.0, one_in_flight: bool = False) -> RunResult:
+    """Each request leaves at its arrival time (seconds from start), answered or not."""
+    host, port, path = split_url(url)
+
+    async def send(request: Request, at: float) -> Result:
+        return await _one(host, port, path, request, at, timeout)
+
+    started = time.perf_counter()
+    results = asyncio.run(at_arrivals(requests, arrivals, send, one_in_flight))
+    return RunResult(rate, duration, results, time.perf_counter() - started)
+
+
+def run_one_in_flight(url: str, requests: list[Request], arrivals: list[float], rate: float,
+                      duration: float, timeout: float = 60.0) -> RunResult:
+    """The same arrivals, but a request leaves only once the one before it is answered: the server
+    never holds two, so latency is what one request costs after the idle gap it found (no queueing)."""
+    return run_open_loop(url, requests, arrivals, rate, duration, timeout, one_in_flight=True)
+
+
+def open_loop(url: str, bodies: Sequence[bytes], arrivals: Sequence[float], headers: dict | None = None,
+              timeout: float = 60.0) -> list[Shot]:
+    """Each body leaves at its arrival time (seconds from start), answered or not."""
+    async def send(body: bytes, _at: float) -> Shot:
+        return await shoot(url, body, headers=headers, timeout=timeout)
+
+    return list(asyncio.run(at_arrivals(bodies, arrivals, send)))
+
+
+def burst(url: str, bodies: Sequence[bytes], headers: dict | None = None, timeout: float = 60.0) -> list[Shot]:
+    """Every body at once, each on its own connection; shots in body order."""
+    async def run():
+        return await asyncio.gather(*(shoot(url, b, headers=headers, timeout=timeout) for b in bodies))
+
+    return list(asyncio.run(run()))
+
+
+class Load:
+    """An event loop on a background thread: fire requests (send), or keep closed-loop clients
+    running (clients) while the caller kills things; every shot lands in `shots`."""
+
+    def __init__(self):
+        self.shots: list[Shot] = []
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="bench-load", daemon=True)
+        self._thread.start()
+        self._stopping = threading.Event()
+        self._futures: list[concurrent.futures.Future] = []
+
+    def send(self, url: str, body: bytes, content_type: str = TEXT, headers: dict | None = None,
+             timeout: float = 60.0, tag: str = "") -> concurrent.futures.Future:
+        async def one():
+            shot = await shoot(url, body, content_type, headers, timeout, tag)
+            self.shots.append(shot)
+            return shot
+
+        future = asyncio.run_coroutine_threadsafe(one(), self.loop)
+        self._futures.append(future)
+        return future
+
+    def clients(self, url: str, bodies: Sequence[bytes], count: int, timeout: float,
+                pause_after_error: float = 1.0, tag: str = "client") -> None:
+        """`count` closed-loop clients, each sending the next body when its last one is answered."""
+        async def client(offset: int):
+            i = offset
+            while not self._stopping.is_set():
+                shot = await shoot(url, bodies[i % len(bodies)], timeout=timeout, tag=tag)
+                self.shots.append(shot)
+                i += count
+                if shot.status != 200:
+                    await asyncio.sleep(pause_after_error)
+
+        for k in range(count):
+            self._futures.append(asyncio.run_coroutine_threadsafe(client(k), self.loop))
+
+    def prober(self, url: str, every: float, timeout: float, tag: str = "probe") -> None:
+        """One short request every `every` seconds, whatever happened to the last ones."""
+        async def probe():
+            pending = set()
+            while not self._stopping.is_set():
+                task = asyncio.ensure_future(shoot(url, b"probe: are you serving?", timeout=timeout, tag=tag))
+                task.add_done_callback(lambda t: self.shots.append(t.result()))
+                pending.add(task)
+                await asyncio.sleep(every)
+            if pending:
+                await asyncio.wait(pending)
+
+        self._futures.append(asyncio.run_coroutine_threadsafe(probe(), self.loop))
+
+    def stop(self) -> None:
+        """Clients and probers send nothing new; requests already out still finish."""
+        self._stopping.set()
+
+    def close(self, timeout: float) -> bool:
+        """Wait up to `timeout` for everything sent to finish; True if it all did."""
+        self.stop()
+        done, pending = concurrent.futures.wait(self._futures, timeout=timeout)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
+        return not pending

@@ -1,0 +1,105 @@
+"""What /proc says about a process: CPU time, resident memory, whether it lives, and a sampler.
+
+The one place bench/ reads /proc, so every report's "RSS" and "CPU seconds" mean the same thing:
+VmRSS from /proc/PID/status, utime + stime from /proc/PID/stat. A process that is gone reads as
+None rather than raising: drills kill processes on purpose.
+"""
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+import urllib.error
+from typing import Callable
+
+
+def _stat_fields(pid: int) -> list[str]:
+    """/proc/PID/stat after the command name (which may hold spaces and parentheses)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of a process, from /proc; None once it is gone."""
+    try:
+        fields_ = _stat_fields(pid)
+        return (int(fields_[11]) + int(fields_[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def rss_kb(pid: int | None) -> int | None:
+    """Resident memory (VmRSS) in kB; None for no pid or a process that is gone."""
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return int(re.search(r"VmRSS:\s+(\d+)", f.read()).group(1))
+    except (OSError, AttributeError):
+        return None
+
+
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        return _stat_fields(pid)[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def pids_with(*needles: str) -> list[int]:
+    """Live processes whose command line contains every one of `needles`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().decode("utf-8", "replace")
+        except OSError:
+            continue
+        if all(n in cmdline for n in needles) and alive(int(entry)):
+            found.append(int(entry))
+    return found
+
+
+class MemorySampler:
+    """RSS of the JVM and of the model's workers every `every` seconds: start, end and peak.
+    `pids` is asked again at each sample, since workers come and go during a drill."""
+
+    def __init__(self, java_pid: int | None, pids: Callable[[], list[int]], every: float = 0.5):
+        self.java_pid, self.pids, self.every = java_pid, pids, every
+        self.samples: list[dict] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-rss", daemon=True)
+
+    def sample(self) -> dict:
+        try:
+            workers = {pid: rss_kb(pid) for pid in self.pids()}
+        except (urllib.error.URLError, OSError, ValueError):
+            workers = {}
+        return {"t": time.monotonic(), "jvm_rss_kb": rss_kb(self.java_pid),
+                "worker_rss_kb": sum(v for v in workers.values() if v)}
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.samples.append(self.sample())
+            self._stop.wait(self.every)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(5)
+        self.samples.append(self.sample())
+
+    def summary(self) -> dict:
+        out = {}
+        for key in ("jvm_rss_kb", "worker_rss_kb"):
+            values = [s[key] for s in self.samples if s[key]]
+            if values:
+                out[key] = {"start": values[0], "end": values[-1], "peak": max(values)}
+        return out

@@ -1,0 +1,60 @@
+"""Percentiles and summaries: the one definition every bench report's figures come from.
+
+percentile() is the only percentile in bench/: two definitions side by side would make a p99 in
+one report mean something else than in the next.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING, Iterable, Sequence
+
+if TYPE_CHECKING:
+    from bench.loadtest.load import RunResult
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The sample at rank round(q/100 * (n-1)) of the sorted values (numpy's "nearest"), None if
+    there are none. It is always a measured value, never an interpolation between two; Python's
+    round() sends an exact .5 to the even rank, as numpy does."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    k = min(len(ordered) - 1, max(0, int(round(q / 100 * (len(ordered) - 1)))))
+    return ordered[k]
+
+
+def rounded(value: float | None, digits: int = 3) -> float | None:
+    """round() that lets a missing figure stay missing."""
+    return None if value is None else round(value, digits)
+
+
+def by_status(shots: Iterable) -> dict[str, int]:
+    """How many Shots got each status, and how many none (by why): the one-line story of a run."""
+    counts: dict[str, int] = {}
+    for shot in shots:
+        key = str(shot.status) if shot.answered else f"unanswered:{shot.error or 'none'}"
+        counts[key] = counts.get(key, 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def summarize(run: RunResult) -> dict:
+    """One window's figures: answered, lost, throughput, served tokens/s, padding waste, and
+    latency p50/p95/p99 (ms) of the 200s, overall and per request kind."""
+    ok = [r for r in run.results if r.status == 200]
+    lost = [r for r in run.results if r.latency is None]
+    out = {
+        "offered_rate": run.rate, "sent": len(run.results), "ok": len(ok), "lost": len(lost),
+        "status": dict(Counter(str(r.status) for r in run.results if r.status is not None)),
+        "lost_errors": dict(Counter(r.error for r in lost)),
+        "throughput": round(len(ok) / run.wall, 2) if run.wall else 0.0,
+        "sent_rate": round(len(run.results) / run.duration, 2) if run.duration else 0.0,
+        "served_tokens_per_s": round(sum(r.tokens for r in ok) / run.wall, 1) if run.wall else 0.0,
+    }
+    real = sum(r.tokens for r in ok if r.padded_to)
+    padded = sum(r.padded_to for r in ok if r.padded_to)
+    out["padding_waste"] = round(1 - real / padded, 4) if padded else None
+    for kind in ("all", "short", "long"):
+        lat = [r.latency * 1000 for r in ok if kind == "all" or r.kind == kind]
+        out[kind] = {f"p{q}": (round(percentile(lat, q), 1) if lat else None) for q in (50, 95, 99)}
+        out[kind]["n"] = len(lat)
+    return out
