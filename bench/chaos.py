@@ -18,8 +18,8 @@ Drills, each bounded in requests and seconds:
   must show that worker's warmup. Clients give up after --client-timeout: what is still open
   then is "unanswered" (the target is zero).
 
-Writes bench/results/chaos.json and chaos.md. The load, /proc and torchserve helpers live in
-bench/loadtest/; tests/e2e/test_reliability.py runs short versions.
+Writes bench/results/chaos.json and chaos.md. The drills live in bench/drills/, the load, /proc
+and torchserve helpers in bench/loadtest/; tests/e2e/test_reliability.py runs short versions.
 """
 from __future__ import annotations
 
@@ -27,11 +27,10 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import sys
 import tempfile
 import time
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
@@ -39,164 +38,12 @@ if REPO not in sys.path:
 
 from archiver import server  # noqa: E402
 from archiver.tune import frontend_keys  # noqa: E402
+from bench.drills.kill import kill_drill  # noqa: E402
+from bench.drills.overload import measure_capacity, overload_drill  # noqa: E402
 from bench.loadtest import report as reports  # noqa: E402
-from bench.loadtest.arrivals import poisson_arrivals  # noqa: E402
-from bench.loadtest.client import Shot, shoot  # noqa: E402
-from bench.loadtest.load import Load, open_loop  # noqa: E402
-from bench.loadtest.proc import MemorySampler  # noqa: E402
-from bench.loadtest.stats import by_status, percentile, rounded  # noqa: E402
-from bench.loadtest.torchserve import (WORKER_HEADER, read_text, reap_workers, restore_workers, wait_busy,  # noqa: E402
-                                       wait_until, warmups, worker_pids)
+from bench.loadtest.client import shoot  # noqa: E402
+from bench.loadtest.torchserve import read_text, reap_workers, restore_workers, warmups  # noqa: E402
 
-
-
-def answer_problems(shots: Iterable[Shot], allowed=(200, 503, 504)) -> list[str]:
-    """What is wrong with an overload run's answers: unanswered, unexpected status, a 503 without
-    Retry-After, an error body that is not {"error", "code"}."""
-    problems = []
-    for shot in shots:
-        if not shot.answered:
-            problems.append(f"unanswered ({shot.error}) after {time.monotonic() - shot.sent:.1f}s")
-            continue
-        if shot.status not in allowed:
-            problems.append(f"status {shot.status}: {shot.body[:120]!r}")
-        if shot.status == 503 and "retry-after" not in shot.headers:
-            problems.append(f"503 without Retry-After: {shot.body[:120]!r}")
-        if shot.status != 200:
-            body = shot.json()
-            if not (isinstance(body, dict) and set(body) == {"error", "code"} and body["code"] == shot.status):
-                problems.append(f"{shot.status} body is not tsbatch's JSON error: {shot.body[:120]!r}")
-    return problems
-
-
-def measure_capacity(url: str, bodies: Sequence[bytes], clients: int, seconds: float, timeout: float = 60) -> dict:
-    """Closed loop: `clients` clients for `seconds`; capacity = 200 answers per second."""
-    load = Load()
-    started = time.monotonic()
-    load.clients(url, bodies, clients, timeout)
-    time.sleep(seconds)  # the measurement window itself, not a wait for a condition
-    load.stop()
-    elapsed = time.monotonic() - started
-    load.close(timeout + 5)
-    ok = [s for s in load.shots if s.status == 200 and s.done_at is not None and s.done_at <= started + elapsed]
-    return {"clients": clients, "seconds": round(elapsed, 1), "answered_200": len(ok),
-            "capacity_rps": round(len(ok) / elapsed, 2), "by_status": by_status(load.shots),
-            "p50_s": rounded(percentile([s.latency for s in ok], 50))}
-
-
-def overload_drill(inference: str, management: str, model: str, java_pid: int | None, bodies: Sequence[bytes],
-                   capacity_rps: float, factor: float, seconds: float, deadline_ms: int,
-                   client_timeout: float, max_requests: int = 20000, seed: int = 0) -> dict:
-    """Open loop at factor x capacity: every answer 200/503/504, accepted within their deadline."""
-    url = f"{inference}/predictions/{model}"
-    rate = factor * capacity_rps
-    arrivals = poisson_arrivals(rate, seconds, seed)[:max_requests]
-    chosen = [bodies[i % len(bodies)] for i in range(len(arrivals))]
-    headers = {"X-Deadline-Ms": str(deadline_ms)}
-    with MemorySampler(java_pid, lambda: worker_pids(management, model)) as memory:
-        started = time.monotonic()
-        shots = open_loop(url, chosen, arrivals, headers, client_timeout)
-        elapsed = time.monotonic() - started
-    after = asyncio.run(shoot(url, b"after the overload", timeout=30))
-    accepted = [s.latency for s in shots if s.status == 200]
-    timed_out = [s.latency for s in shots if s.status == 504]
-    rejected = [s.latency for s in shots if s.status == 503]
-    deadline = deadline_ms / 1000
-    problems = answer_problems(shots)
-    return {
-        "model": model, "offered_rps": round(rate, 2), "factor": factor, "seconds": seconds,
-        "wall_seconds": round(elapsed, 1), "requests": len(shots), "deadline_ms": deadline_ms,
-        "answered": sum(s.answered for s in shots), "unanswered": sum(not s.answered for s in shots),
-        "by_status": by_status(shots),
-        "accepted": len(accepted),
-        "accepted_p50_s": rounded(percentile(accepted, 50)), "accepted_p99_s": rounded(percentile(accepted, 99)),
-        "accepted_max_s": rounded(max(accepted, default=None)),
-        "deadline_misses_among_accepted": sum(lat > deadline for lat in accepted),
-        "accepted_over_deadline_by_s": {"p50": rounded(percentile([max(0.0, l - deadline) for l in accepted], 50)),
-                                        "max": rounded(max((l - deadline for l in accepted), default=None))},
-        "504_latency_s": {"p50": rounded(percentile(timed_out, 50)), "max": rounded(max(timed_out, default=None))},
-        "503_latency_s": {"p50": rounded(percentile(rejected, 50)), "max": rounded(max(rejected, default=None))},
-        "frontend_503s": sum(s.status == 503 and b"ServiceUnavailableException" in s.body for s in shots),
-        "rejected_503_with_retry_after": sum(s.status == 503 and "retry-after" in s.headers for s in shots),
-        "problems": problems[:20], "problem_count": len(problems),
-        "memory": memory.summary(),
-        "served_after": after.status,
-    }
-
-
-CRASH_LOOP = "Received more than 1 control command"
-
-
-def kill_drill(inference: str, management: str, model: str, log_path: str, bodies: Sequence[bytes],
-               clients: int, client_timeout: float, recovery_timeout: float, settle: float = 5.0,
-               probe_every: float = 0.5, probe_timeout: float | None = None, ts_log_path: str = "") -> dict:
-    """SIGKILL the busy worker under closed-loop traffic; time until a new worker answers."""
-    url = f"{inference}/predictions/{model}"
-    probe_timeout = client_timeout if probe_timeout is None else probe_timeout
-    ts_log_before = len(read_text(ts_log_path))
-    before = server.workers(management, model)
-    old_pids = {int(w["pid"]) for w in before}
-    load = Load()
-    load.clients(url, bodies, clients, client_timeout)
-    wait_until(lambda: sum(s.status == 200 for s in load.shots) >= clients, 120, what="traffic flowing")
-    victim = wait_busy(old_pids, cpu=0.3, timeout=60)
-    answered_before = len(load.shots)  # answered so far; `clients` requests are out right now
-    killed_at = time.monotonic()
-    os.kill(victim, signal.SIGKILL)
-    load.prober(url, probe_every, probe_timeout)
-    result: dict[str, Any] = {"model": model, "victim_pid": victim, "workers_before": sorted(old_pids),
-                              "clients": clients, "client_timeout_s": client_timeout,
-                              "recovery_timeout_s": recovery_timeout}
-
-    def new_worker_answered():
-        for shot in list(load.shots):
-            pid = shot.headers.get(WORKER_HEADER)
-            if shot.status == 200 and pid and int(pid) not in old_pids and shot.done_at > killed_at:
-                return shot
-        return None
-
-    try:
-        first = wait_until(new_worker_answered, recovery_timeout, every=0.2, what="an answer from a new worker")
-        result["recovered_s"] = round(first.done_at - killed_at, 2)
-        result["new_pid"] = int(first.headers[WORKER_HEADER])
-    except TimeoutError as error:
-        result["recovered_s"] = None
-        result["recovery_error"] = str(error)
-    try:
-        ready = wait_until(lambda: [w for w in server.workers(management, model)
-                                    if w.get("status") == "READY" and int(w["pid"]) not in old_pids],
-                           30 if result.get("recovered_s") is not None else 1, what="a new READY worker")
-        result["ready_in_management_s"] = round(time.monotonic() - killed_at, 2)
-        result["new_worker_status"] = ready[0]["status"]
-    except TimeoutError:
-        result["ready_in_management_s"] = None
-        result["new_worker_status"] = [w.get("status") for w in server.workers(management, model)]
-    if result.get("new_pid"):
-        result["new_worker_warmup_s"] = warmups(read_text(log_path)).get(result["new_pid"])
-    time.sleep(settle)  # a few seconds of service after recovery, counted like the rest
-    finished = load.close(client_timeout + probe_timeout + 10)
-    # TorchServe's log writes each line twice (two appenders): count distinct (timestamped) lines
-    lines = {line for line in read_text(ts_log_path)[ts_log_before:].splitlines() if f"-{model}_" in line}
-    result["frontend_after_kill"] = {
-        "worker_restarts": sum("Retry worker" in line for line in lines),
-        "illegal_state_errors": sum("IllegalStateException error" in line for line in lines),
-        "crash_loop_message": CRASH_LOOP if CRASH_LOOP in read_text(ts_log_path)[ts_log_before:] else None,
-    }
-    traffic = [s for s in load.shots if s.tag == "client"]
-    probes = [s for s in load.shots if s.tag == "probe"]
-    after_kill_errors = [s for s in traffic if s.answered and s.status != 200 and s.done_at >= killed_at]
-    result.update({
-        "requests": len(traffic), "answered": sum(s.answered for s in traffic),
-        "unanswered": sum(not s.answered for s in traffic),
-        "failed": sum(s.answered and s.status != 200 for s in traffic),
-        "by_status": by_status(traffic),
-        "errors_within_5s_of_kill": sum(s.done_at - killed_at <= 5 for s in after_kill_errors),
-        "error_bodies": sorted({s.body.decode("utf-8", "replace").replace("\n", " ")[:160] for s in after_kill_errors})[:5],
-        "unanswered_sent_before_kill": sum(not s.answered and s.sent < killed_at for s in traffic),
-        "probes": {"sent": len(probes), "by_status": by_status(probes)},
-        "all_finished": finished, "answered_before_kill": answered_before,
-    })
-    return result
 
 def machine() -> dict:
     load1, load5, _ = reports.load_average()

@@ -23,7 +23,7 @@ from archiver import server
 from archiver.package import ArchiveSpec, build_archive
 from archiver.properties import ServerSettings, model_config, render_properties
 from archiver.server import free_ports
-from bench.chaos import answer_problems, measure_capacity
+from bench.drills.overload import answer_problems, measure_capacity
 from bench.loadtest.client import shoot
 from bench.loadtest.load import Load, burst, open_loop
 from bench.loadtest.proc import MemorySampler
