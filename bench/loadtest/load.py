@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from bench.loadtest.arrivals import at_arrivals
-from bench.loadtest.client import TEXT, Shot, read_response, request_head, shoot, split_url
+from bench.loadtest.client import TEXT, Shot, shoot
 from bench.loadtest.workload import Request
 
 TOKENS = re.compile(rb'"tokens":\s*(\d+)')
@@ -43,39 +43,28 @@ class RunResult:
     wall: float = 0.0
 
 
-async def _one(host: str, port: int, path: str, request: Request, sent: float, timeout: float) -> Result:
-    body = request.text.encode()
-    head = request_head(f"{host}:{port}", path, TEXT, len(body))
-    start = time.perf_counter()
-    try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
-        try:
-            writer.write(head + body)
-            await writer.drain()
-            status, headers, payload = await asyncio.wait_for(read_response(reader), timeout)
-        finally:
-            writer.close()
-    except Exception as error:  # noqa: BLE001 - recorded as a lost response
-        return Result(request.kind, sent, None, None, error=type(error).__name__)
-    latency = time.perf_counter() - start
-    if status == 200 and not payload.strip():
-        return Result(request.kind, sent, None, status, error="empty body")
-    match = TOKENS.search(payload[-200:]) or TOKENS.search(payload)
+def as_result(request: Request, sent: float, shot: Shot) -> Result:
+    """A Shot as the benchmark counts it: a 200 with an empty body is lost, and the answer's token
+    count and padding (X-Tsbatch-Padded-To, X-Tsbatch-Batch-Size) are kept for the summaries."""
+    if not shot.answered:
+        return Result(request.kind, sent, None, None, error=shot.error)
+    if shot.status == 200 and not shot.body.strip():
+        return Result(request.kind, sent, None, shot.status, error="empty body")
+    match = TOKENS.search(shot.body[-200:]) or TOKENS.search(shot.body)
     return Result(
-        request.kind, sent, latency, status,
+        request.kind, sent, shot.latency, shot.status,
         tokens=int(match.group(1)) if match else 0,
-        padded_to=int(headers.get(b"x-tsbatch-padded-to", b"0") or 0),
-        batch_size=int(headers.get(b"x-tsbatch-batch-size", b"0") or 0),
+        padded_to=int(shot.headers.get("x-tsbatch-padded-to", "0") or 0),
+        batch_size=int(shot.headers.get("x-tsbatch-batch-size", "0") or 0),
     )
 
 
 def run_open_loop(url: str, requests: list[Request], arrivals: list[float], rate: float,
                   duration: float, timeout: float = 60.0, one_in_flight: bool = False) -> RunResult:
-    """Each request leaves at its arrival time (seconds from start), answered or not."""
-    host, port, path = split_url(url)
-
+    """Each request leaves at its arrival time (seconds from start), answered or not; one that
+    has no answer `timeout` seconds after it left is lost."""
     async def send(request: Request, at: float) -> Result:
-        return await _one(host, port, path, request, at, timeout)
+        return as_result(request, at, await shoot(url, request.text.encode(), timeout=timeout))
 
     started = time.perf_counter()
     results = asyncio.run(at_arrivals(requests, arrivals, send, one_in_flight))

@@ -14,8 +14,10 @@ import time
 from bench.loadtest import report
 from bench.loadtest.arrivals import at_arrivals, poisson_arrivals
 from bench.loadtest.client import Shot, read_response, request_head, shoot, split_url
+from bench.loadtest.load import Result, as_result
 from bench.loadtest.proc import MemorySampler, alive, cpu_seconds, pids_with, rss_kb
 from bench.loadtest.stats import by_status, percentile, rounded
+from bench.loadtest.workload import Request
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench")
 
@@ -141,6 +143,19 @@ def test_shoot_records_an_answer_and_a_silent_server_as_unanswered():
     assert not lost.answered and lost.error == "TimeoutError" and lost.latency is None
 
 
+def test_a_shot_counts_for_the_benchmark_with_its_tokens_and_padding():
+    request = Request("a few words", "short")
+    shot = Shot(5.0, status=200, latency=0.02, body=b'{"embedding": [0.1], "tokens": 7}',
+                headers={"x-tsbatch-padded-to": "16", "x-tsbatch-batch-size": "3"})
+    assert as_result(request, 1.5, shot) == Result("short", 1.5, 0.02, 200, tokens=7, padded_to=16, batch_size=3)
+    empty = as_result(request, 1.5, Shot(5.0, status=200, latency=0.02, body=b" "))
+    assert (empty.latency, empty.status, empty.error) == (None, 200, "empty body")  # lost, though 200
+    lost = as_result(request, 1.5, Shot(5.0, error="TimeoutError"))
+    assert (lost.latency, lost.status, lost.error) == (None, None, "TimeoutError")
+    error = as_result(request, 1.5, Shot(5.0, status=503, latency=0.01, body=b'{"error": "busy", "code": 503}'))
+    assert (error.status, error.latency, error.tokens, error.padded_to) == (503, 0.01, 0, 0)
+
+
 # -- /proc --------------------------------------------------------------------------------------
 
 def test_proc_readings_of_a_live_a_zombie_and_a_missing_process():
@@ -214,6 +229,8 @@ def test_each_rule_has_one_home_in_bench():
     }
     for pattern, home in homes.items():
         assert [p for p, text in sources.items() if re.search(pattern, text)] == [home], pattern
+    # one client opens connections; soak.py's keep-alive clients (reconnecting after errors) are the exception
+    assert sorted(p for p, text in sources.items() if "open_connection(" in text) == ["loadtest/client.py", "soak.py"]
 
 
 def test_no_bench_file_is_over_300_lines():
