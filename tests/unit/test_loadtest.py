@@ -235,3 +235,12 @@ def test_each_rule_has_one_home_in_bench():
 
 def test_no_bench_file_is_over_300_lines():
     assert {p: n for p, text in _bench_sources().items() if (n := text.count("\n")) > 300} == {}
+
+
+def test_the_library_loads_neither_torch_nor_torchserve():
+    """A load generator must not take the cores or memory of the server it measures."""
+    from tests.unit.test_pure_imports import imported_heavy_modules
+
+    modules = [f"bench.loadtest.{m[:-3]}" for m in os.listdir(os.path.join(BENCH, "loadtest")) if m.endswith(".py")]
+    assert len(modules) >= 10
+    assert imported_heavy_modules(*modules, "bench.drills.overload", "bench.drills.kill") == []
