@@ -26,6 +26,7 @@ import logging
 import os
 import threading
 import time
+from dataclasses import replace
 from http import HTTPStatus
 from typing import Any
 
@@ -38,6 +39,7 @@ from handlers.memory import OOM_CAPS_FILE, apply_budget, keep_caps, load_caps
 from handlers.metrics import Metrics
 from handlers.parse import parse_text, row_value
 from handlers.scheduler import Priority, Scheduler, SchedulerPolicy, Ticket, within_budget
+from handlers.siblings import Siblings, fit_threads, usable_cores
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +75,10 @@ class EncoderHandler:
         yaml_config = context.model_yaml_config or {}
         model_dir = context.system_properties.get("model_dir")
         self.config = HandlerConfig.from_yaml(yaml_config.get("handler"))
+        # joined first: siblings see this worker long before it polls (continuous mode), and
+        # workers of one model share the cores
+        self.siblings = Siblings(model_dir).join()
+        self._fit_threads(yaml_config)
         gpu_id = context.system_properties.get("gpu_id")
         self.runner = ModelRunner(self.config, os.path.join(model_dir, self.config.model_dir),
                                   int(gpu_id) if isinstance(gpu_id, (int, str)) and str(gpu_id).isdigit() else None)
@@ -95,10 +101,6 @@ class EncoderHandler:
         self.batch_size = int(context.system_properties.get("batch_size") or 1)  # the frontend's batchSize
         timeout = yaml_config.get("responseTimeout")
         self.response_timeout = timeout if isinstance(timeout, int) and timeout > 1 else 120
-        if self.mode == "continuous":  # joined before warmup: siblings see this worker long before it polls
-            from handlers.siblings import Siblings
-
-            self.siblings = Siblings(model_dir).join()
         lanes = self._lanes() if self.mode != "default" else None
         self.profile = None
         if self.config.warmup:
@@ -117,6 +119,15 @@ class EncoderHandler:
             self.config.max_batch_tokens, self.runner.describe(), time.monotonic() - started,
         )
         self.initialized = True
+
+    def _fit_threads(self, yaml_config: dict) -> None:
+        """Never more intra-op threads than this worker's share of the cores (handlers/siblings.py)."""
+        planned = yaml_config.get("minWorkers")
+        workers = max(1 + self.siblings.others(), planned if isinstance(planned, int) else 1)
+        threads, why = fit_threads(self.config.torch_threads, usable_cores(), workers)
+        if why:
+            logger.warning("tsbatch threads: %s", why)
+        self.config = replace(self.config, torch_threads=threads)
 
     def _apply_memory_budget(self) -> None:
         budget = self.config.memory_budget

@@ -103,3 +103,27 @@ def _alive(path: str) -> bool:
         return False
     finally:
         os.close(fd)
+
+
+def fit_threads(asked: int | None, cores: int, workers: int) -> tuple[int | None, str]:
+    """Intra-op threads for one of `workers` workers on `cores` cores, and why, if not as asked.
+
+    An archive tuned for a bigger machine (`tsbatch archive --cores 8`) asks for more threads
+    than a smaller one has: OpenMP teams that outnumber the cores spin against each other (warmup
+    of 2 workers x 4 threads on 2 cores ran 9x slower and outran startupTimeout), so each worker
+    takes its share of the cores instead. None (torch's default) stays for a lone worker."""
+    share = max(1, cores // max(1, workers))
+    if asked is None:
+        return (None, "") if workers <= 1 else (share, f"{workers} workers share {cores} cores: {share} each")
+    if asked <= share:
+        return asked, ""
+    return share, (f"handler.torch_threads={asked}, but {workers} worker(s) share {cores} cores here: {share} "
+                   f"each (the archive was tuned for a bigger machine; `tsbatch archive` here tunes for this one)")
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity), or every core the OS reports."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1

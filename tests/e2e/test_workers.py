@@ -206,21 +206,35 @@ def test_a_worker_killed_while_its_siblings_serve(shipped):
                and victim not in worker_pids(shipped.management, NAME), 600, what="the killed worker replaced")
 
 
-def test_the_archive_tuned_for_eight_cores_plans_two_workers_of_four_threads(tmp_path, built_profile):
-    """`--cores 8` plans for another machine from this one's profile. It is not served here: 2
-    workers x 4 threads on these 2 cores oversubscribe them 4x, and warmup then outruns the tuned
-    startupTimeout (seen in a fresh-clone run: shapes 9x slower, workers killed at 120 s)."""
-    from tests.e2e.conftest import tsbatch
+@pytest.fixture(scope="module")
+def eight_core(tmp_path_factory, built_profile):
+    """The archive `tsbatch archive --cores 8` plans for an 8-core machine, served here as built:
+    2 workers x 4 threads, which each worker fits to its share of these 2 cores."""
+    served = serve_built(tmp_path_factory.mktemp("eight"), built_profile, "--cores", "8")
+    try:
+        server.wait_ready(served.management, NAME, 600, min_workers=2)
+        yield served
+    finally:
+        server.stop(served.paths)
 
-    store = tmp_path / "store"
-    tsbatch("archive", "--name", NAME, "--out", str(store), "--profile", built_profile, "--cores", "8")
+
+def test_the_archive_tuned_for_eight_cores_plans_two_workers_of_four_threads(eight_core):
     import zipfile
 
     import yaml
 
-    with zipfile.ZipFile(store / f"{NAME}.mar") as mar:
+    with zipfile.ZipFile(os.path.join(eight_core.store, f"{NAME}.mar")) as mar:
         config = yaml.safe_load(mar.read("model-config.yaml"))
     assert (config["minWorkers"], config["handler"]["torch_threads"]) == (2, 4)
     assert config["continuousBatching"] is True and config["maxWorkers"] == 2
-    with open(store / "config.properties") as f:
+    with open(eight_core.properties) as f:
         assert re.search(r"^default_workers_per_model=2$", f.read(), re.M)
+    with open(os.path.join(eight_core.paths.logs, "model_log.log")) as f:
+        assert "each (the archive was tuned for a bigger machine" in f.read()  # fitted to 2 cores, said so
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_the_eight_core_archive_answers_lone_requests_and_a_burst(eight_core, reference, one_worker_latency, workers):
+    scale(eight_core, workers)
+    check_lone(lone_requests(eight_core, reference), one_worker_latency)
+    check_burst(eight_core)

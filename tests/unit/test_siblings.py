@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from handlers.siblings import FOLDER, Siblings
+from handlers.siblings import FOLDER, Siblings, fit_threads, usable_cores
 
 pytestmark = pytest.mark.unit
 
@@ -66,3 +66,22 @@ def test_a_file_that_is_not_locked_is_a_dead_workers(tmp_path):
     stale = tmp_path / FOLDER / "12345-deadbeef.lock"
     stale.write_text("")
     assert me.others() == 0 and not stale.exists()
+
+
+@pytest.mark.parametrize("asked, cores, workers, expected", [
+    (4, 8, 2, 4),  # as tuned: 2 x 4 on 8 cores
+    (4, 2, 2, 1),  # the 8-core archive on 2 cores: each worker's share
+    (2, 2, 1, 2),
+    (4, 2, 1, 2),
+    (1, 2, 3, 1),  # never below one thread
+    (None, 2, 1, None),  # a lone worker keeps torch's default
+    (None, 8, 3, 2),
+])
+def test_fit_threads_never_oversubscribes_the_cores(asked, cores, workers, expected):
+    threads, why = fit_threads(asked, cores, workers)
+    assert threads == expected
+    assert bool(why) == (threads != asked)
+
+
+def test_usable_cores_counts_this_process_affinity():
+    assert 1 <= usable_cores() <= (os.cpu_count() or 1)
