@@ -7,6 +7,8 @@ two model names, so the 1-worker and the 2-worker figures come from the same min
   mix       the open-loop short/long mix at --rate req/s, 1 and 2 workers in turns (--rounds each)
   idle      CPU of the frontend and of each worker over --idle-seconds with no traffic
   logs      bytes added to TorchServe's logs per 1,000 requests during the mix windows
+  calls     times TorchServe called the handler per request in the mix windows
+            (tsbatch_handler_calls_total, emitted at most once a second per worker)
 `--candidates` adds async mode (the other design that does not strand requests) with 2 workers
 in the same turns. Writes bench/results/workers.{json,md}.
 """
@@ -28,6 +30,7 @@ from bench.loadtest.arrivals import poisson_arrivals  # noqa: E402
 from bench.loadtest.load import run_open_loop  # noqa: E402
 from bench.loadtest.proc import cpu_seconds  # noqa: E402
 from bench.loadtest.stats import percentile, summarize  # noqa: E402
+from bench.loadtest.torchserve import metric_total  # noqa: E402
 from bench.loadtest.workload import Request, make_requests  # noqa: E402
 
 SHORT = "How do I scale TorchServe workers without losing requests?"
@@ -126,13 +129,19 @@ def main() -> None:
             for name in order:
                 arrivals = poisson_arrivals(args.rate, args.seconds, seed=100 + r)
                 before, cpu = log_bytes(served), serving_cpu(served, name)
+                calls = metric_total(served.metrics, "tsbatch_handler_calls_total", name)
                 run = run_open_loop(url(name), requests[:len(arrivals)], arrivals, args.rate, args.seconds, timeout=60)
                 point = summarize(run)
                 point["log_bytes_per_1000"] = round((log_bytes(served) - before) / max(1, len(arrivals)) * 1000)
                 point["cpu_ms_per_request"] = round((serving_cpu(served, name) - cpu) / max(1, len(arrivals)) * 1000, 1)
+                # emitted at most once a second, on a call: under a second's calls per worker move
+                # into this arm's next window
+                point["calls_per_request"] = round(
+                    (metric_total(served.metrics, "tsbatch_handler_calls_total", name) - calls) / max(1, len(arrivals)), 2)
                 report["mix"][name].append(point)
                 print(f"round {r} {name}: short p50 {point['short']['p50']} p99 {point['short']['p99']} "
-                      f"lost {point['lost']} logs/1000 {point['log_bytes_per_1000']}", flush=True)
+                      f"lost {point['lost']} logs/1000 {point['log_bytes_per_1000']} calls/request {point['calls_per_request']}",
+                      flush=True)
         for name in arms:
             if name != "one":
                 scale(served, name, 1)
@@ -152,7 +161,8 @@ def pooled(points: list[dict]) -> dict:
             "short_p99_ms_per_round": [p["short"]["p99"] for p in points],
             "short_p99_ms_median_of_rounds": percentile([p["short"]["p99"] for p in points], 50),
             "log_bytes_per_1000": percentile([p["log_bytes_per_1000"] for p in points], 50),
-            "cpu_ms_per_request": percentile([p["cpu_ms_per_request"] for p in points], 50)}
+            "cpu_ms_per_request": percentile([p["cpu_ms_per_request"] for p in points], 50),
+            "calls_per_request": percentile([p.get("calls_per_request", 0) for p in points], 50)}
 
 
 def markdown(report: dict) -> str:
@@ -164,11 +174,12 @@ def markdown(report: dict) -> str:
         lines.append(f"- {workers} worker(s): " + ", ".join(f"{r['kind']} {r['ms']} ({r['status']})" for r in results))
     lines += ["", "## Open-loop mix", "", "| arm | sent | lost | not 200 | short p50 (median of rounds) | "
               "short p99 per round | short p99 (median) | log bytes / 1,000 requests | CPU ms / request "
-              "(frontend + workers) |", "|---|---|---|---|---|---|---|---|---|"]
+              "(frontend + workers) | handler calls / request |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name, p in report["pooled"].items():
         lines.append(f"| {report['arms'][name]} | {p['sent']} | {p['lost']} | {p['non_200']} | "
                      f"{p['short_p50_ms_median_of_rounds']} | {p['short_p99_ms_per_round']} | "
-                     f"{p['short_p99_ms_median_of_rounds']} | {p['log_bytes_per_1000']} | {p['cpu_ms_per_request']} |")
+                     f"{p['short_p99_ms_median_of_rounds']} | {p['log_bytes_per_1000']} | {p['cpu_ms_per_request']} | "
+                     f"{p['calls_per_request']} |")
     lines += ["", "## Idle CPU (% of one core)", "",
               f"- 1 worker: {report.get('idle_cpu_percent_1_worker')}",
               f"- 2 workers: {report.get('idle_cpu_percent_2_workers')}", ""]

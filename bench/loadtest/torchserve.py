@@ -104,3 +104,15 @@ def reap_workers(tmpdir: str) -> list[int]:
     for pid in pids:
         os.kill(pid, signal.SIGKILL)
     return pids
+
+
+def metric_total(metrics_url: str, name: str, model: str) -> float:
+    """The sum of one series over every label set of this model on TorchServe's metrics endpoint
+    (0 before the series is first emitted)."""
+    with urllib.request.urlopen(f"{metrics_url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and (f'ModelName="{model}"' in line or f'model_name="{model}"' in line):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
