@@ -17,9 +17,8 @@ from typing import Any, Callable, Mapping
 
 from warmup.profile import LatencyProfile
 
-# The loggers whose INFO lines are warmup's progress ("tsbatch warmup shape i of n ...").
-PROGRESS_LOGGERS = ("warmup.run", "handlers.encoder_handler")
-PROGRESS_PREFIX = "tsbatch warmup"
+# The loggers whose records carry warmup's progress (a `tsbatch_warmup` dict attribute).
+PROGRESS_LOGGERS = ("warmup.run", "handlers.warming")
 ERROR_CHARS = 600  # transformers' load errors can be pages long: the start says what broke
 
 
@@ -59,8 +58,22 @@ def make_context(archive_dir: str, name: str, model_yaml_config: Mapping[str, An
                    metrics=None, model_yaml_config=dict(model_yaml_config))
 
 
+def progress_line(event: Mapping[str, Any]) -> str:
+    """One line of `tsbatch profile` output for a warmup event (warmup/run.py, handlers/warming.py)."""
+    kind = event.get("event")
+    if kind == "shape":
+        return (f"warmup shape {event['number']} of {event['of']}: batch {event['batch']} x {event['bucket']} "
+                f"tokens: first {event['first_ms']:.1f} ms, median {event['median_ms']:.1f} ms ({event['runs']} runs)")
+    if kind == "estimate":
+        return f"warmup: {event['shapes']} shapes, estimated {event['seconds']:.1f}s"
+    if kind == "done":
+        return f"warmup done in {event['seconds']:.1f}s"
+    return f"warmup: {dict(event)}"
+
+
 class _Forward(logging.Handler):
-    """Hands warmup's log lines to the caller's progress callback (the CLI prints them)."""
+    """Hands warmup's progress events to the caller's callback (the CLI prints them); reads the
+    record's `tsbatch_warmup` dict, never the message text."""
 
     def __init__(self, progress: Callable[[str], None]):
         super().__init__(logging.INFO)
@@ -68,9 +81,9 @@ class _Forward(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            message = record.getMessage()
-            if message.startswith(PROGRESS_PREFIX):  # the shapes, the estimate, done (not the profile dump)
-                self.progress(message.removeprefix("tsbatch ").split("; latency profile")[0])
+            event = getattr(record, "tsbatch_warmup", None)
+            if isinstance(event, Mapping):
+                self.progress(progress_line(event))
         except Exception:  # noqa: BLE001 - progress output must never fail a profile
             self.handleError(record)
 
@@ -107,7 +120,8 @@ def profile_model(model_dir: str, name: str, model_yaml_config: Mapping[str, Any
             peak_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
             profiled_by="tsbatch profile",
         )
-        return profile  # async mode's lane threads stay behind idle: daemons, gone with the process
+        handler.close()  # its lane threads end here
+        return profile
     finally:
         for logger_name, level in saved_levels.items():
             logging.getLogger(logger_name).removeHandler(forward)

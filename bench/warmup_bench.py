@@ -62,7 +62,7 @@ def one(handler_section: dict, steady_runs: int) -> dict:
         ready_s = time.perf_counter() - started
         runner = handler.runner
         shapes = []
-        for shape in plan_shapes(handler.edges, handler.cap_for):
+        for shape in plan_shapes(handler.edges, handler.worker.batch_sizes):
             batch = runner.synthetic_batch(shape.batch, shape.bucket)
             t = time.perf_counter()
             runner.run(batch)

@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
+from handlers.buckets import batch_cap, check_edges, default_edges
 from handlers.errors import ConfigError
 
 
@@ -132,12 +133,23 @@ class HandlerConfig:
                 f"handler.warmup_max_repeats ({config.warmup_max_repeats}) must be at least "
                 f"warmup_repeats ({config.warmup_repeats})"
             )
-        if config.buckets and config.max_batch_tokens < config.buckets[-1]:
-            raise ConfigError(
-                f"handler.max_batch_tokens ({config.max_batch_tokens}) must hold one request of the "
-                f"largest bucket ({config.buckets[-1]} tokens)"
-            )
         return config
+
+    def edges_for(self, max_length: int) -> tuple[int, ...]:
+        """The bucket edges this model serves (configured or default, cut at `max_length`), and the
+        rule that the token budget holds one request of the largest."""
+        edges = check_edges(self.buckets or default_edges(max_length), max_length)
+        if self.max_batch_tokens < edges[-1]:
+            raise ConfigError(
+                f"handler.max_batch_tokens ({self.max_batch_tokens}) must hold one request of the "
+                f"largest bucket ({edges[-1]} tokens): raise it or lower max_length")
+        return edges
+
+    def batch_limit(self, bucket: int) -> int:
+        """Largest batch of a bucket by configuration: the token budget, max_batch_size and the
+        tuned batch_caps (the worker lowers it further after out of memory: Worker.cap_for)."""
+        return min(batch_cap(bucket, self.max_batch_tokens), self.max_batch_size,
+                   self.batch_caps.get(bucket, self.max_batch_size))
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}

@@ -1,7 +1,7 @@
 """The scheduler modes' execution side: lane threads that take batches from the Scheduler and run them.
 
-Each request becomes a Ticket whose outcome is handed back (`deliver`) as soon as its own batch
-finishes: to the coroutine awaiting it in async mode, to the next call in continuous mode. Model
+Each request becomes a Ticket whose Answer is handed back (`deliver`) as soon as its own batch
+finishes: to the coroutine awaiting it in async mode, to the call waiting for it in continuous mode. Model
 passes run on lane threads, never on TorchServe's thread. With two lanes, short buckets and long
 buckets run on separate threads that share the cores (the long one at a lower OS priority), so a
 short request never waits for a long pass to end. The long lane also helps: with no long batch
@@ -17,11 +17,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 from handlers.errors import DeadlineExceeded, ModelFailed, ServingError
 from handlers.isolate import Isolator
-from handlers.scheduler import Scheduler, Ticket
+from handlers.scheduler import Answer, Scheduler, Ticket
 
 logger = logging.getLogger(__name__)
 
@@ -36,10 +36,10 @@ def split_lanes(edges: Sequence[int], long_lane_from: int | None) -> list[tuple[
 
 
 class Engine:
-    """Runs scheduled batches on lane threads; `deliver(ticket, outcome, batch_size)` answers each."""
+    """Runs scheduled batches on lane threads; `deliver(ticket, answer)` answers each."""
 
     def __init__(self, scheduler: Scheduler, isolator: Isolator, lanes: Sequence[tuple[int, ...]],
-                 deliver: Callable[[Ticket, Any, int], None], clock: Callable[[], float] = time.monotonic,
+                 deliver: Callable[[Ticket, Answer], None], clock: Callable[[], float] = time.monotonic,
                  on_batch: Callable[..., None] | None = None,
                  on_lane_start: Callable[[int], None] | None = None,
                  pass_seconds: Callable[[int], float] | None = None,
@@ -58,12 +58,25 @@ class Engine:
         self.busy = [False] * len(self.lanes)  # guarded by cond: lane i is running a pass
         # guarded by cond: when lane i's pass started and how long such a pass typically takes
         self.passes = [(0.0, 0.0)] * len(self.lanes)
+        self.stopping = False  # guarded by cond
         self.threads = [
             threading.Thread(target=self._lane, args=(i, lane), name=f"tsbatch-lane-{i}", daemon=True)
-            for i, lane in enumerate(lanes)
+            for i, lane in enumerate(self.lanes)
         ]
+
+    def start(self) -> "Engine":
         for thread in self.threads:
             thread.start()
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """End every lane once its pass (if any) is done; what is still queued is not run."""
+        with self.cond:
+            self.stopping = True
+            self.cond.notify_all()
+        for thread in self.threads:
+            if thread.is_alive():
+                thread.join(timeout)
 
     def submit(self, tickets: Sequence[Ticket]) -> None:
         """Queue tickets (Overloaded propagates for the one that does not fit) and wake the lanes."""
@@ -76,7 +89,7 @@ class Engine:
 
     def _lane(self, index: int, buckets: tuple[int, ...]) -> None:
         self.on_lane_start(index)
-        while True:
+        while not self.stopping:
             try:
                 self._step(index, buckets)
             except Exception:  # noqa: BLE001 - a lane must outlive any bug in one step
@@ -92,6 +105,8 @@ class Engine:
             if picked is None and helped:
                 picked = self.scheduler.next_batch(now, helped)
             if picked is None and not expired:
+                if self.stopping:
+                    return
                 self.cond.wait(timeout=self.scheduler.time_until_ready(now, buckets + helped, self.pass_seconds))
                 return
             if picked is not None:
@@ -123,9 +138,9 @@ class Engine:
 
     def _run(self, expired: list[Ticket], picked) -> None:
         for ticket in expired:
-            self.deliver(ticket, DeadlineExceeded(
+            self.deliver(ticket, Answer(DeadlineExceeded(
                 "this request could not finish before its deadline (the worker is saturated): "
-                "raise X-Deadline-Ms or retry"), 0)
+                "raise X-Deadline-Ms or retry"), 0))
         if picked is None:
             return
         batch, tickets = picked
@@ -140,5 +155,5 @@ class Engine:
                 outcome = DeadlineExceeded(
                     "the answer was ready only after this request's deadline (the worker is saturated): "
                     "raise X-Deadline-Ms or retry")
-            self.deliver(ticket, outcome, len(tickets))
+            self.deliver(ticket, Answer(outcome, len(tickets), batch.bucket))
         self.on_batch(batch, tickets, report, started, finished)  # after answering: metrics never delay them

@@ -33,7 +33,7 @@ SPECS = {s.name: s for s in (
     Spec("tsbatch_real_tokens_total", COUNTER, "count", ("bucket",), "tokens of real input computed"),
     Spec("tsbatch_padded_tokens_total", COUNTER, "count", ("bucket",), "tokens computed, padding included"),
     Spec("tsbatch_padding_waste_ratio", GAUGE, "ratio", ("bucket",), "padding share of the last batch's tokens"),
-    Spec("tsbatch_queue_wait_seconds", HISTOGRAM, "seconds", ("bucket", "priority"), "time in tsbatch's queue (async mode)"),
+    Spec("tsbatch_queue_wait_seconds", HISTOGRAM, "seconds", ("bucket", "priority"), "time in tsbatch's queue (scheduler modes)"),
     Spec("tsbatch_forward_seconds", HISTOGRAM, "seconds", ("bucket",), "one forward pass"),
     Spec("tsbatch_isolated_failures_total", COUNTER, "count", ("bucket",), "requests that failed alone after isolation"),
     Spec("tsbatch_isolation_passes_total", COUNTER, "count", ("bucket",), "extra passes spent isolating failures"),

@@ -1,4 +1,5 @@
-"""tsbatch's own scheduler for async mode: one queue per length bucket, batches chosen by policy.
+"""tsbatch's own scheduler for the scheduler modes (continuous and async): one queue per length
+bucket, batches chosen by policy.
 
 A batch leaves a bucket when its token budget is full or its oldest request has waited the
 bucket's maximum wait. Among ready buckets: higher priority first (a request gains one class per
@@ -14,10 +15,10 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Protocol, Sequence
 
-from handlers.buckets import Batch, Item, batch_cap, next_batch_size
-from handlers.errors import BadInput, Overloaded
+from handlers.buckets import Batch, Item, next_batch_size
+from handlers.errors import BadInput, Overloaded, ServingError
 
 
 class Priority(enum.IntEnum):
@@ -36,9 +37,29 @@ class Priority(enum.IntEnum):
             raise BadInput(f"X-Priority must be high, normal or low, got {value!r}") from None
 
 
+@dataclass(frozen=True)
+class Answer:
+    """What one request got: its result or its error, the size of the pass that computed it, and
+    the bucket it was padded to (0 when it never ran)."""
+
+    outcome: Any  # a result (dict or list) or a ServingError
+    batch_size: int = 1
+    bucket: int = 0
+
+    @property
+    def failed(self) -> bool:
+        return isinstance(self.outcome, ServingError)
+
+
+class Waiter(Protocol):
+    """Whoever waits for a ticket's answer (a continuous-mode call, an async-mode coroutine)."""
+
+    def settle(self, ticket: "Ticket", answer: Answer) -> None: ...
+
+
 @dataclass(eq=False)
 class Ticket:
-    """A request waiting in the scheduler; `payload` is the caller's (e.g. a future).
+    """A request waiting in the scheduler, and who waits for its answer (`rid`: its request id).
     `may_wait` is False when no other request can reach the worker before this one is answered
     (continuous mode with sibling workers): waiting for company would only add latency."""
 
@@ -46,7 +67,8 @@ class Ticket:
     arrived: float
     priority: Priority = Priority.NORMAL
     deadline: float | None = None
-    payload: Any = None
+    waiter: Waiter | None = None
+    rid: str = ""
     may_wait: bool = True
 
     def effective_priority(self, now: float, aging: float) -> float:
@@ -60,7 +82,6 @@ class Ticket:
 @dataclass(frozen=True)
 class SchedulerPolicy:
     edges: tuple[int, ...]
-    max_batch_tokens: int
     max_wait: float  # seconds the oldest request of a bucket waits for company
     queue_cap: int  # requests waiting in this worker, all buckets together
     age_bound: float  # seconds after which a bucket's oldest request jumps the shortest-first order
@@ -74,10 +95,10 @@ class SchedulerPolicy:
 class Scheduler:
     """Holds waiting tickets per bucket and hands out the next batch to run."""
 
-    def __init__(self, policy: SchedulerPolicy, cap_for: Callable[[int], int] | None = None):
+    def __init__(self, policy: SchedulerPolicy, cap_for: Callable[[int], int]):
         self.policy = policy
         self.queues: dict[int, list[Ticket]] = {edge: [] for edge in policy.edges}
-        self._cap_for = cap_for or (lambda bucket: batch_cap(bucket, policy.max_batch_tokens))
+        self._cap_for = cap_for  # the worker's one rule for a bucket's largest batch
 
     def __len__(self) -> int:
         return sum(len(q) for q in self.queues.values())

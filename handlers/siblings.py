@@ -63,19 +63,21 @@ class Siblings:
         os.close(self._fd)
         self._fd = None
 
-    def others(self) -> int:
+    def others(self, fresh: bool = False) -> int:
         """Live workers of this model besides this one (0 when the registry cannot be read:
-        a worker that cannot see siblings behaves as it did before this registry existed)."""
+        a worker that cannot see siblings behaves as it did before this registry existed).
+        Counted at most every `ttl` seconds unless `fresh`."""
         now = self.clock()
-        if now - self._checked < self.ttl:
+        if not fresh and now - self._checked < self.ttl:
             return self._count
         try:
             names = [n for n in os.listdir(self.folder) if n.endswith(".lock") and n != self.name]
         except OSError:
             names = []
-        self._count = sum(1 for name in names if _alive(os.path.join(self.folder, name)))
-        self._checked = now
-        return self._count
+        count = sum(1 for name in names if _alive(os.path.join(self.folder, name)))
+        if not fresh:  # a fresh count is for a one-off decision; the cache keeps its own schedule
+            self._count, self._checked = count, now
+        return count
 
     def alone(self) -> bool:
         return self.others() == 0

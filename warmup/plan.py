@@ -3,14 +3,12 @@
 The handler forms batch sizes that are powers of two only (5 waiting requests run as 4 + 1), so
 the set of shapes is small — len(buckets) × log2(max batch) — and every one of them is warmed.
 No padding rows are ever added: a batch of 5 is two passes, not one padded to 8.
-Pure: no torch, no clock.
+Pure: no torch, no clock, and nothing from handlers/: the handler passes its batch sizes in.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
-
-from handlers.buckets import power_of_two_sizes
 
 
 @dataclass(frozen=True)
@@ -23,9 +21,10 @@ class Shape:
         return self.batch * self.bucket
 
 
-def plan_shapes(edges: Sequence[int], cap_for: Callable[[int], int]) -> list[Shape]:
-    """Every shape the handler can form, shortest bucket first, small batches first."""
-    return [Shape(size, edge) for edge in edges for size in power_of_two_sizes(cap_for(edge))]
+def plan_shapes(edges: Sequence[int], sizes_for: Callable[[int], Iterable[int]]) -> list[Shape]:
+    """Every shape the handler can form (`sizes_for(bucket)`: its batch sizes there), shortest
+    bucket first, small batches first."""
+    return [Shape(size, edge) for edge in edges for size in sorted(sizes_for(edge))]
 
 
 @dataclass(frozen=True)

@@ -6,11 +6,22 @@ directory and in the worker's log.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 PROFILE_FILE = "latency_profile.json"
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The sample at rank round(q/100 * (n-1)) of the sorted values (numpy's "nearest"), None if
+    there are none: always a measured value, never an interpolation. The one percentile of the
+    project: warmup's p90 and every bench report's figures."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, int(round(q / 100 * (len(ordered) - 1)))))]
 
 
 @dataclass
@@ -34,10 +45,9 @@ class LatencyProfile:
     oom_caps: dict[int, int] = field(default_factory=dict)
 
     def add(self, batch: int, bucket: int, first_ms: float, timings_ms: list[float]) -> ShapeTiming:
-        ordered = sorted(timings_ms)
-        p90 = ordered[min(len(ordered) - 1, int(round(0.9 * (len(ordered) - 1))))]
-        timing = ShapeTiming(batch, bucket, round(statistics.median(ordered), 3), round(p90, 3),
-                             len(ordered), round(first_ms, 3), round(first_ms + sum(ordered), 3))
+        timing = ShapeTiming(batch, bucket, round(statistics.median(timings_ms), 3),
+                             round(percentile(timings_ms, 90), 3), len(timings_ms), round(first_ms, 3),
+                             round(first_ms + sum(timings_ms), 3))
         self.shapes.append(timing)
         return timing
 
@@ -63,5 +73,9 @@ class LatencyProfile:
             return cls.from_json(f.read())
 
     def save(self, path: str) -> None:
-        with open(path, "w") as f:
+        """The one writer of a profile: whole or not at all (workers of one model share a
+        directory, and a reader never sees half a file)."""
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
             f.write(self.to_json())
+        os.replace(tmp, path)

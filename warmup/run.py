@@ -2,6 +2,8 @@
 
 Warmup goes through the same path as traffic: `run_shape` runs a planned Batch of synthetic
 requests (real tokenizer output of the bucket's length) on the runner. The clock is injected.
+Each step is logged with a `tsbatch_warmup` record attribute (a dict), so a caller in the same
+process (`tsbatch profile`) follows progress without reading the prose.
 """
 from __future__ import annotations
 
@@ -9,7 +11,6 @@ import logging
 import time
 from typing import Callable
 
-from handlers.isolate import describe, is_out_of_memory
 from warmup.plan import Shape, WarmupPlan, stable
 from warmup.profile import LatencyProfile, ShapeTiming
 
@@ -27,11 +28,13 @@ def estimate(plan: WarmupPlan, run_shape: Callable[[Shape], None], clock=time.pe
 
 
 def run_plan(plan: WarmupPlan, run_shape: Callable[[Shape], None], profile: LatencyProfile,
-             clock=time.perf_counter, log: Callable[..., None] = logger.info,
+             clock=time.perf_counter, is_oom: Callable[[BaseException], bool] = lambda error: False,
+             describe: Callable[[BaseException], str] = repr,
              on_oom: Callable[[Shape, BaseException], None] = lambda shape, error: None) -> LatencyProfile:
-    """Warm and time every shape. A shape that runs out of memory caps its bucket at the largest
-    batch that fit (profile.oom_caps; 0 when not even one request did), the bucket's larger shapes
-    are skipped, `on_oom` frees what it can, and warmup goes on: out of memory never fails a load."""
+    """Warm and time every shape. A shape that runs out of memory (`is_oom`) caps its bucket at
+    the largest batch that fit (profile.oom_caps; 0 when not even one request did), the bucket's
+    larger shapes are skipped, `on_oom` frees what it can, and warmup goes on: out of memory never
+    fails a load."""
     began = clock()
     total = len(plan.shapes)
     for number, shape in enumerate(plan.shapes, 1):
@@ -40,7 +43,7 @@ def run_plan(plan: WarmupPlan, run_shape: Callable[[Shape], None], profile: Late
         try:
             timing, first_ms = _time_shape(plan, shape, run_shape, profile, clock)
         except Exception as error:  # noqa: BLE001 - only out of memory is survivable here
-            if not is_out_of_memory(error):
+            if not is_oom(error):
                 raise
             fitted = max((t.batch for t in profile.shapes if t.bucket == shape.bucket), default=0)
             profile.oom_caps[shape.bucket] = fitted
@@ -49,8 +52,11 @@ def run_plan(plan: WarmupPlan, run_shape: Callable[[Shape], None], profile: Late
                            "" if fitted else ": its requests will get 507")
             on_oom(shape, error)
             continue
-        log("tsbatch warmup shape %d of %d: batch %d x %d tokens: first %.1f ms, median %.1f ms (%d runs)",
-            number, total, shape.batch, shape.bucket, first_ms, timing.median_ms, timing.runs)
+        event = {"event": "shape", "number": number, "of": total, "batch": shape.batch, "bucket": shape.bucket,
+                 "first_ms": round(first_ms, 1), "median_ms": timing.median_ms, "runs": timing.runs}
+        logger.info("tsbatch warmup shape %d of %d: batch %d x %d tokens: first %.1f ms, median %.1f ms (%d runs)",
+                    number, total, shape.batch, shape.bucket, first_ms, timing.median_ms, timing.runs,
+                    extra={"tsbatch_warmup": event})
     profile.warmup_seconds = round(clock() - began, 3)
     return profile
 

@@ -11,7 +11,8 @@ from typing import Any, Sequence
 from archiver import server
 from bench.loadtest.load import Load
 from bench.loadtest.stats import by_status
-from bench.loadtest.torchserve import WORKER_HEADER, read_text, wait_busy, wait_until, warmups
+from bench.loadtest.torchserve import read_text, wait_busy, wait_until, warmups
+from handlers.stages import WORKER_HEADER
 
 CRASH_LOOP = "Received more than 1 control command"
 

@@ -16,7 +16,6 @@ from typing import Any, Callable, Iterable
 from archiver import server
 from bench.loadtest.proc import alive, cpu_seconds, pids_with
 
-WORKER_HEADER = "x-tsbatch-worker"  # as Shot.headers has it: lower-cased
 WARMUP_DONE = re.compile(r"tsbatch warmup done in ([\d.]+)s by worker pid (\d+)")
 
 

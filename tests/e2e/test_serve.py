@@ -11,7 +11,7 @@ import pytest
 import requests
 
 from archiver import server
-from handlers.encoder_handler import BATCH_SIZE_HEADER, WORKER_HEADER
+from handlers.stages import BATCH_SIZE_HEADER, WORKER_HEADER
 from tests.e2e.client import post, post_together
 from tests.support import cosine
 

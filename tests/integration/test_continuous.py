@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from handlers.encoder_handler import BATCH_SIZE_HEADER
+from handlers.stages import BATCH_SIZE_HEADER
 from tests.support import ContinuousFrontend, call, cosine, load_handler
 
 pytestmark = pytest.mark.integration
@@ -36,7 +36,7 @@ def continuous(minilm_dir):
 
 def test_each_request_is_answered_once_with_its_own_status_and_the_answer_it_gets_alone(continuous, reference):
     handler, context = continuous
-    assert handler.mode == "continuous"
+    assert handler.mode.name == "continuous"
     frontend = ContinuousFrontend(handler, context)
     payloads = list(TEXTS)
     payloads[2] = "POISON in here"
@@ -52,7 +52,7 @@ def test_each_request_is_answered_once_with_its_own_status_and_the_answer_it_get
     assert frontend.answered_in["r6"] == 1  # bad input is answered in the call that brought it
     # tsbatch's scheduler formed the batches: some requests shared a pass
     assert max(int(r.headers[BATCH_SIZE_HEADER]) for r in replies.values() if r.status == 200) > 1
-    assert handler.running == {} and handler.finished == {}  # nothing left behind
+    assert handler.mode.running == {} and handler.mode.finished == {}  # nothing left behind
 
 
 def test_a_call_returns_after_poll_ms_while_its_requests_still_run(continuous):

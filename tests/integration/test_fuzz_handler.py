@@ -16,7 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from handlers.config import HandlerConfig
-from handlers.encoder_handler import BATCH_SIZE_HEADER, WORKER_HEADER, EncoderHandler
+from handlers.encoder_handler import EncoderHandler
+from handlers.stages import BATCH_SIZE_HEADER, WORKER_HEADER
 from handlers.errors import BadInput, ConfigError
 from handlers.parse import parse_text, row_value
 from tests.support import make_context
@@ -267,7 +268,7 @@ def test_a_bad_handler_section_fails_the_load_naming_the_field(tiny_models, sect
     message = str(caught.value)
     assert field in message, message
     assert "\n" not in message and len(message) < 400, "one clear log line"
-    assert not obj.initialized and obj.engine is None
+    assert not obj.initialized and obj.mode is None  # no lane was started
 
 
 def test_a_handler_section_that_is_not_a_mapping_fails_the_load(tiny_models):

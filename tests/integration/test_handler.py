@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from handlers.encoder_handler import BATCH_SIZE_HEADER, EncoderHandler
+from handlers.encoder_handler import EncoderHandler
+from handlers.stages import BATCH_SIZE_HEADER
 from handlers.errors import ConfigError
 from tests.support import call, cosine, load_handler, make_context
 

@@ -10,6 +10,7 @@ import pytest
 
 from handlers.buckets import plan_batches
 from handlers.encoder_handler import EncoderHandler
+from handlers.stages import Call, tokenize
 from tests.support import call, make_context
 from warmup.profile import PROFILE_FILE, LatencyProfile
 
@@ -51,7 +52,7 @@ def test_profile_lists_every_shape_the_handler_can_form(warmed):
         assert key in env
     assert profile.model == "m" and profile.warmup_seconds > 0
     # whatever traffic arrives, the handler forms only warmed shapes
-    items = [handler.tokenize([(i, "word " * n)], [None])[0] for i, n in enumerate([3, 3, 3, 3, 3, 3, 3, 40, 40, 40, 200])]
+    items = [tokenize(handler.runner, handler.edges, (), [(i, "word " * n)], Call.of(1))[0] for i, n in enumerate([3, 3, 3, 3, 3, 3, 3, 40, 40, 40, 200])]
     for batch in plan_batches(items, handler.cap_for):
         assert (batch.size, batch.bucket) in warmed_shapes
 

@@ -83,7 +83,7 @@ def test_a_mixed_burst_over_three_workers_is_answered_in_full(minilm_dir, refere
         for i in (0, 1, 7):
             assert cosine(frontend.replies[f"b{i}"].body["embedding"], reference(texts[i])) >= 0.9999
         for handler, _ in pool:
-            assert handler.running == {} and handler.finished == {}
+            assert handler.mode.running == {} and handler.mode.finished == {}
     finally:
         frontend.close()
 
@@ -98,7 +98,7 @@ def test_a_worker_alone_still_answers_a_short_request_during_a_long_pass(minilm_
         for i in range(8):
             frontend.submit(f"long{i}", LONG + f" {i}")
         started = time.monotonic()
-        while not handler.engine.busy[-1]:  # the long lane has started its pass
+        while not handler.mode.engine.busy[-1]:  # the long lane has started its pass
             assert time.monotonic() - started < 30, "the long pass never started"
             time.sleep(0.001)
         frontend.submit("short", "a short request")
@@ -114,7 +114,7 @@ def test_a_call_with_siblings_takes_in_only_what_fits_its_budget_and_sheds_the_r
     get 503 at once."""
     pool = workers(minilm_dir, 2, poll_ms=5, max_call_ms=1, max_batch_size=1)
     for handler, _ in pool:
-        handler.profile = _FlatProfile()  # every pass 50 ms, one request each: one per lane fits a call
+        handler.worker.profile = _FlatProfile()  # every pass 50 ms, one request each: one per lane fits a call
     frontend = SharedQueueFrontend(pool, batch_size=pool[0][1].system_properties["batch_size"])
     try:
         for i in range(12):

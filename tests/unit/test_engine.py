@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from handlers.buckets import Item
+from handlers.buckets import batch_cap, Item
 from handlers.engine import Engine, split_lanes
 from handlers.errors import DeadlineExceeded, ModelFailed, Overloaded
 from handlers.scheduler import Scheduler, SchedulerPolicy, Ticket
@@ -87,9 +87,9 @@ class Deliveries:
         self.cond = threading.Condition()
         self.got = []
 
-    def __call__(self, ticket, outcome, batch_size):
+    def __call__(self, ticket, answer):
         with self.cond:
-            self.got.append((ticket, outcome, batch_size))
+            self.got.append((ticket, answer.outcome, answer.batch_size))
             self.cond.notify_all()
 
     def wait_for(self, predicate, timeout: float = WAIT) -> bool:
@@ -114,8 +114,13 @@ class Deliveries:
             return list(self.got)
 
 
+def make_scheduler(policy: SchedulerPolicy, cap_for=None, tokens: int = TOKENS) -> Scheduler:
+    """A Scheduler whose caps are the token budget alone, unless a test gives its own."""
+    return Scheduler(policy, cap_for or (lambda bucket: batch_cap(bucket, tokens)))
+
+
 def policy(**overrides) -> SchedulerPolicy:
-    values = dict(edges=EDGES, max_batch_tokens=TOKENS, max_wait=0.01, queue_cap=10_000,
+    values = dict(edges=EDGES, max_wait=0.01, queue_cap=10_000,
                   age_bound=1.0, priority_aging=1.0)
     values.update(overrides)
     return SchedulerPolicy(**values)
@@ -137,13 +142,18 @@ def make_engine():
         isolator = isolator or FakeIsolator()
         isolators.append(isolator)
         deliveries = Deliveries()
-        engine = Engine(Scheduler(policy(**overrides)), isolator, list(lanes), deliveries,
-                        on_batch=on_batch)
+        engine = Engine(make_scheduler(policy(**overrides)), isolator, list(lanes), deliveries,
+                        on_batch=on_batch).start()
+        engines.append(engine)
         return engine, isolator, deliveries
 
+    engines = []
     yield make
     for isolator in isolators:
         isolator.release.set()
+    for engine in engines:
+        engine.stop(WAIT)
+        assert not any(thread.is_alive() for thread in engine.threads), "a lane outlived stop()"
 
 
 # -- every ticket answered once, with its own outcome --------------------------------------------

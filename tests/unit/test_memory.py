@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import pytest
 
+from handlers.buckets import power_of_two_sizes
 from handlers.config import HandlerConfig
 from handlers.errors import ConfigError
+from handlers.isolate import is_out_of_memory
 from handlers.memory import apply_budget, budget_bytes, keep_caps, load_caps
 from warmup.plan import Shape, WarmupPlan, plan_shapes
 from warmup.profile import LatencyProfile
@@ -49,8 +51,8 @@ class FakeAllocator:
 
 
 def warm(device: FakeAllocator, edges=(16, 64, 256), cap=16) -> LatencyProfile:
-    plan = WarmupPlan(tuple(plan_shapes(edges, lambda b: cap)), repeats=2, max_repeats=2)
-    return run_plan(plan, device.run, LatencyProfile("m", {}), clock=FakeClock(),
+    plan = WarmupPlan(tuple(plan_shapes(edges, lambda b: power_of_two_sizes(cap))), repeats=2, max_repeats=2)
+    return run_plan(plan, device.run, LatencyProfile("m", {}), clock=FakeClock(), is_oom=is_out_of_memory,
                     on_oom=lambda shape, error: device.empty_cache())
 
 

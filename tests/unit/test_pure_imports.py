@@ -25,6 +25,15 @@ PURE = [
     "handlers.metrics",
     "handlers.siblings",
     "handlers.memory",
+    "handlers.stages",
+    "handlers.worker",
+    "handlers.warming",
+    "handlers.socket_guard",
+    "handlers.modes",
+    "handlers.modes.default_mode",
+    "handlers.modes.scheduled",
+    "handlers.modes.continuous_mode",
+    "handlers.modes.async_mode",
     "warmup.plan",
     "warmup.run",
     "warmup.profile",
@@ -63,3 +72,14 @@ def test_the_probe_would_see_torch():
     if importlib.util.find_spec("torch") is None:  # find_spec does not import it here
         pytest.skip("torch is not installed")
     assert "torch" in imported_heavy_modules("torch")
+
+
+def test_warmup_does_not_import_the_handler_package():
+    """warmup/ is a library under the handler: the handler imports it, never the reverse."""
+    env = {**os.environ, "PYTHONPATH": REPO}
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE.format(heavy={"handlers"}), "warmup.plan", "warmup.run", "warmup.profile"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == []

@@ -10,7 +10,7 @@ import itertools
 
 import pytest
 
-from handlers.buckets import Batch, Item
+from handlers.buckets import batch_cap, Batch, Item
 from handlers.errors import BadInput, Overloaded
 from handlers.scheduler import Priority, Scheduler, SchedulerPolicy, Ticket
 
@@ -24,8 +24,13 @@ HIGH, NORMAL, LOW = Priority.HIGH, Priority.NORMAL, Priority.LOW
 _counter = itertools.count()
 
 
+def make_scheduler(policy: SchedulerPolicy, cap_for=None, tokens: int = TOKENS) -> Scheduler:
+    """A Scheduler whose caps are the token budget alone, unless a test gives its own."""
+    return Scheduler(policy, cap_for or (lambda bucket: batch_cap(bucket, tokens)))
+
+
 def policy(**overrides) -> SchedulerPolicy:
-    values = dict(edges=EDGES, max_batch_tokens=TOKENS, max_wait=0.5, queue_cap=10_000,
+    values = dict(edges=EDGES, max_wait=0.5, queue_cap=10_000,
                   age_bound=1_000.0, priority_aging=0.0)
     values.update(overrides)
     return SchedulerPolicy(**values)
@@ -66,7 +71,7 @@ def all_queued(scheduler: Scheduler) -> list[Ticket]:
 # -- bucket formation ----------------------------------------------------------------------------
 
 def test_tickets_go_to_their_bucket_queue():
-    s = Scheduler(policy())
+    s = make_scheduler(policy())
     a, b, c, d = ticket(16), ticket(64), ticket(16), ticket(256)
     for t in (a, b, c, d):
         s.submit(t)
@@ -79,7 +84,7 @@ def test_tickets_go_to_their_bucket_queue():
 
 
 def test_empty_scheduler_has_nothing_to_do():
-    s = Scheduler(policy())
+    s = make_scheduler(policy())
     assert len(s) == 0
     assert s.next_batch(1e6) is None
     assert s.time_until_ready(0.0) is None
@@ -90,7 +95,7 @@ def test_empty_scheduler_has_nothing_to_do():
 
 @pytest.mark.parametrize("edge", EDGES)
 def test_full_bucket_leaves_at_once_and_not_one_ticket_earlier(edge):
-    s = Scheduler(policy(max_wait=100.0))
+    s = make_scheduler(policy(max_wait=100.0))
     first = submit(s, edge, CAP[edge] - 1)
     assert s.next_batch(0.0) is None  # one short of the budget: waits
     last = submit(s, edge, 1)
@@ -102,7 +107,7 @@ def test_full_bucket_leaves_at_once_and_not_one_ticket_earlier(edge):
 
 
 def test_a_full_bucket_gives_exactly_cap_tickets_and_keeps_the_rest():
-    s = Scheduler(policy(max_wait=100.0))
+    s = make_scheduler(policy(max_wait=100.0))
     tickets = [ticket(64, arrived=i) for i in range(6)]  # cap 4
     for t in tickets:
         s.submit(t)
@@ -121,7 +126,7 @@ def test_custom_cap_for_decides_when_a_bucket_is_full():
         asked.append(bucket)
         return caps[bucket]
 
-    s = Scheduler(policy(max_wait=100.0), cap_for=cap_for)
+    s = make_scheduler(policy(max_wait=100.0), cap_for=cap_for)
     submit(s, 32, 2)
     assert s.next_batch(0.0) is None  # 2 < 3
     submit(s, 32, 2)
@@ -132,7 +137,7 @@ def test_custom_cap_for_decides_when_a_bucket_is_full():
 
 
 def test_budget_smaller_than_the_edge_still_allows_one():
-    s = Scheduler(policy(max_batch_tokens=100, max_wait=100.0))
+    s = make_scheduler(policy(max_wait=100.0), tokens=100)
     submit(s, 256, 2)
     batch, _ = take(s, 0.0)
     assert batch.size == 1
@@ -141,7 +146,7 @@ def test_budget_smaller_than_the_edge_still_allows_one():
 # -- ... or when its oldest ticket has waited max_wait --------------------------------------------
 
 def test_partial_batch_leaves_after_max_wait_and_not_before():
-    s = Scheduler(policy(max_wait=0.5))
+    s = make_scheduler(policy(max_wait=0.5))
     first = ticket(64, arrived=10.0)
     s.submit(first)
     assert s.next_batch(10.0) is None
@@ -159,13 +164,13 @@ def test_partial_batch_leaves_after_max_wait_and_not_before():
 
 
 def test_time_until_ready_is_never_negative():
-    s = Scheduler(policy(max_wait=0.5))
+    s = make_scheduler(policy(max_wait=0.5))
     s.submit(ticket(64, arrived=0.0))
     assert s.time_until_ready(0.7) == 0.0
 
 
 def test_time_until_ready_takes_the_soonest_bucket():
-    s = Scheduler(policy(max_wait=0.5))
+    s = make_scheduler(policy(max_wait=0.5))
     s.submit(ticket(128, arrived=0.0))
     s.submit(ticket(32, arrived=0.3))
     s.submit(ticket(64, arrived=0.1))
@@ -173,7 +178,7 @@ def test_time_until_ready_takes_the_soonest_bucket():
 
 
 def test_per_bucket_max_wait():
-    s = Scheduler(policy(max_wait=0.5, max_wait_per_bucket={16: 0.1, 128: 2.0}))
+    s = make_scheduler(policy(max_wait=0.5, max_wait_per_bucket={16: 0.1, 128: 2.0}))
     short, middle, long = ticket(16), ticket(64), ticket(128)
     for t in (short, middle, long):
         s.submit(t)
@@ -193,7 +198,7 @@ def test_per_bucket_max_wait():
 # -- ordering: shortest ready bucket first, unless a bucket is starving --------------------------
 
 def test_shortest_ready_bucket_goes_first():
-    s = Scheduler(policy(max_wait=100.0))
+    s = make_scheduler(policy(max_wait=100.0))
     for edge in (256, 128, 64, 32, 16):  # longest submitted first: order is not arrival
         submit(s, edge, CAP[edge])
     order = [take(s, 0.0)[0].bucket for _ in EDGES]
@@ -202,7 +207,7 @@ def test_shortest_ready_bucket_goes_first():
 
 
 def test_shortest_ready_bucket_goes_first_even_when_the_longer_one_is_older():
-    s = Scheduler(policy(max_wait=0.5))
+    s = make_scheduler(policy(max_wait=0.5))
     s.submit(ticket(256, arrived=0.0))  # cap 1: ready at once
     s.submit(ticket(32, arrived=0.1))  # ready by age at 0.6
     assert take(s, 0.0)[0].bucket == 256  # the only ready one
@@ -212,7 +217,7 @@ def test_shortest_ready_bucket_goes_first_even_when_the_longer_one_is_older():
 
 
 def test_an_unready_shorter_bucket_does_not_hold_back_a_ready_longer_one():
-    s = Scheduler(policy(max_wait=0.5))
+    s = make_scheduler(policy(max_wait=0.5))
     s.submit(ticket(16, arrived=0.0))
     submit(s, 64, CAP[64], arrived=0.0)
     assert take(s, 0.1)[0].bucket == 64
@@ -220,14 +225,14 @@ def test_an_unready_shorter_bucket_does_not_hold_back_a_ready_longer_one():
 
 
 def test_shortest_first_holds_with_default_aging_for_tickets_of_the_same_class():
-    s = Scheduler(policy(max_wait=0.005, priority_aging=1.0, age_bound=0.25))
+    s = make_scheduler(policy(max_wait=0.005, priority_aging=1.0, age_bound=0.25))
     submit(s, 64, 1, arrived=0.000)  # ready by age at 0.005
     submit(s, 16, CAP[16], arrived=0.001)  # full: ready at once
     assert take(s, 0.006)[0].bucket == 16
 
 
 def test_starving_bucket_goes_first_even_if_a_shorter_one_is_ready():
-    s = Scheduler(policy(max_wait=0.5, age_bound=2.0))
+    s = make_scheduler(policy(max_wait=0.5, age_bound=2.0))
     long = ticket(128, arrived=0.0)
     s.submit(long)
     submit(s, 16, CAP[16], arrived=1.9)
@@ -239,7 +244,7 @@ def test_starving_bucket_goes_first_even_if_a_shorter_one_is_ready():
 
 
 def test_starving_buckets_go_oldest_first():
-    s = Scheduler(policy(max_wait=0.5, age_bound=2.0))
+    s = make_scheduler(policy(max_wait=0.5, age_bound=2.0))
     s.submit(ticket(256, arrived=0.0))
     s.submit(ticket(128, arrived=0.5))
     submit(s, 16, CAP[16], arrived=3.0)
@@ -250,7 +255,7 @@ def test_starving_buckets_go_oldest_first():
 def test_a_stream_of_ready_short_batches_cannot_starve_a_long_ticket(short_priority):
     """Every step a full batch of short tickets is waiting; batches take `step` seconds each."""
     age_bound, step = 2.0, 0.35
-    s = Scheduler(policy(max_wait=0.1, age_bound=age_bound))
+    s = make_scheduler(policy(max_wait=0.1, age_bound=age_bound))
     long = ticket(128, arrived=0.0)
     s.submit(long)
     served_at = None
@@ -273,7 +278,7 @@ def test_a_stream_of_ready_short_batches_cannot_starve_a_long_ticket(short_prior
 # -- priority ------------------------------------------------------------------------------------
 
 def test_priority_beats_bucket_length_across_buckets():
-    s = Scheduler(policy(max_wait=100.0))
+    s = make_scheduler(policy(max_wait=100.0))
     submit(s, 16, CAP[16], priority=LOW)
     submit(s, 64, CAP[64], priority=NORMAL)
     submit(s, 256, CAP[256], priority=HIGH)
@@ -281,7 +286,7 @@ def test_priority_beats_bucket_length_across_buckets():
 
 
 def test_a_bucket_counts_at_its_best_ticket():
-    s = Scheduler(policy(max_wait=100.0))
+    s = make_scheduler(policy(max_wait=100.0))
     submit(s, 16, CAP[16], priority=NORMAL)
     submit(s, 64, CAP[64] - 1, priority=LOW)
     submit(s, 64, 1, priority=HIGH)
@@ -289,7 +294,7 @@ def test_a_bucket_counts_at_its_best_ticket():
 
 
 def test_inside_a_bucket_the_best_tickets_go_first_in_arrival_order():
-    s = Scheduler(policy(max_wait=1.0))
+    s = make_scheduler(policy(max_wait=1.0))
     plan = [LOW, NORMAL, HIGH, LOW, HIGH, NORMAL]  # bucket 64: cap 4
     tickets = [ticket(64, arrived=i * 0.1, priority=p) for i, p in enumerate(plan)]
     for t in tickets:
@@ -315,7 +320,7 @@ def test_effective_priority():
 
 def test_a_low_ticket_that_waited_two_aging_periods_counts_as_high_inside_a_bucket():
     def first_served(now: float) -> tuple[Ticket, Ticket, Ticket]:
-        s = Scheduler(policy(max_wait=0.0, priority_aging=1.0), cap_for=lambda b: 1)
+        s = make_scheduler(policy(max_wait=0.0, priority_aging=1.0), cap_for=lambda b: 1)
         low = ticket(64, arrived=0.0, priority=LOW)
         high = ticket(64, arrived=1.5, priority=HIGH)
         s.submit(low)
@@ -330,7 +335,7 @@ def test_a_low_ticket_that_waited_two_aging_periods_counts_as_high_inside_a_buck
 
 def test_a_low_ticket_that_waited_two_aging_periods_counts_as_high_across_buckets():
     def first_bucket(now: float) -> int:
-        s = Scheduler(policy(max_wait=0.0, priority_aging=1.0))
+        s = make_scheduler(policy(max_wait=0.0, priority_aging=1.0))
         s.submit(ticket(16, arrived=0.0, priority=LOW))
         s.submit(ticket(256, arrived=now, priority=HIGH))
         return take(s, now)[0].bucket
@@ -340,7 +345,7 @@ def test_a_low_ticket_that_waited_two_aging_periods_counts_as_high_across_bucket
 
 
 def test_a_ticket_that_gained_a_class_keeps_its_arrival_order_in_that_class():
-    s = Scheduler(policy(max_wait=0.0, priority_aging=1.0), cap_for=lambda b: 1)
+    s = make_scheduler(policy(max_wait=0.0, priority_aging=1.0), cap_for=lambda b: 1)
     low = ticket(64, arrived=0.0, priority=LOW)
     normal = ticket(64, arrived=0.7, priority=NORMAL)
     s.submit(low)
@@ -351,7 +356,7 @@ def test_a_ticket_that_gained_a_class_keeps_its_arrival_order_in_that_class():
 # -- deadlines -----------------------------------------------------------------------------------
 
 def test_expire_removes_and_returns_exactly_the_tickets_past_their_deadline():
-    s = Scheduler(policy())
+    s = make_scheduler(policy())
     past = ticket(16, deadline=1.0)
     due = ticket(64, deadline=2.0)
     due_too = ticket(16, deadline=2.0)
@@ -370,7 +375,7 @@ def test_expire_removes_and_returns_exactly_the_tickets_past_their_deadline():
 
 
 def test_expire_with_a_lead_removes_tickets_that_could_not_finish_in_time():
-    s = Scheduler(policy())
+    s = make_scheduler(policy())
     tight_short = ticket(16, deadline=1.05)  # a 16-token pass takes 0.1 s: 1.0 + 0.1 > 1.05
     fine_short = ticket(16, deadline=1.2)
     tight_long = ticket(256, deadline=1.4)  # a 256-token pass takes 0.5 s: 1.0 + 0.5 > 1.4
@@ -385,14 +390,14 @@ def test_expire_with_a_lead_removes_tickets_that_could_not_finish_in_time():
 
 
 def test_time_until_ready_wakes_a_lane_when_a_ticket_must_expire_not_at_its_deadline():
-    s = Scheduler(policy(max_wait=5.0))
+    s = make_scheduler(policy(max_wait=5.0))
     s.submit(ticket(64, arrived=0.0, deadline=1.0))
     assert s.time_until_ready(0.0) == pytest.approx(1.0)
     assert s.time_until_ready(0.0, lead=lambda bucket: 0.3) == pytest.approx(0.7)
 
 
 def test_expired_tickets_never_reach_a_batch():
-    s = Scheduler(policy(max_wait=0.0))
+    s = make_scheduler(policy(max_wait=0.0))
     gone = ticket(64, deadline=1.0)
     kept = ticket(64, deadline=5.0)
     s.submit(gone)
@@ -403,7 +408,7 @@ def test_expired_tickets_never_reach_a_batch():
 
 
 def test_time_until_ready_accounts_for_deadlines():
-    s = Scheduler(policy(max_wait=0.5))
+    s = make_scheduler(policy(max_wait=0.5))
     s.submit(ticket(64, arrived=0.0, deadline=0.2))
     assert s.time_until_ready(0.0) == pytest.approx(0.2)  # the deadline comes before max_wait
     assert s.time_until_ready(0.15) == pytest.approx(0.05)
@@ -416,7 +421,7 @@ def test_time_until_ready_accounts_for_deadlines():
 
 
 def test_a_deadline_after_max_wait_does_not_shorten_the_wait():
-    s = Scheduler(policy(max_wait=0.5))
+    s = make_scheduler(policy(max_wait=0.5))
     s.submit(ticket(64, arrived=0.0, deadline=9.0))
     assert s.time_until_ready(0.0) == pytest.approx(0.5)
 
@@ -424,7 +429,7 @@ def test_a_deadline_after_max_wait_does_not_shorten_the_wait():
 # -- queue cap -----------------------------------------------------------------------------------
 
 def test_queue_cap_raises_overloaded_and_accepts_again_after_a_batch():
-    s = Scheduler(policy(queue_cap=5, max_wait=0.5))
+    s = make_scheduler(policy(queue_cap=5, max_wait=0.5))
     accepted = [ticket(edge) for edge in (16, 16, 64, 128, 256)]
     for t in accepted:
         s.submit(t)  # exactly queue_cap fit
@@ -485,7 +490,7 @@ SHORT_LANE, LONG_LANE = (16, 32, 64), (128, 256)
 
 
 def test_next_batch_only_takes_from_the_given_buckets():
-    s = Scheduler(policy(max_wait=100.0, age_bound=1.0))
+    s = make_scheduler(policy(max_wait=100.0, age_bound=1.0))
     long = submit(s, 256, 1, arrived=0.0, priority=HIGH)  # ready, high and starving
     assert s.next_batch(5.0, SHORT_LANE) is None
     short = submit(s, 16, CAP[16], arrived=5.0, priority=LOW)
@@ -499,7 +504,7 @@ def test_next_batch_only_takes_from_the_given_buckets():
 
 
 def test_time_until_ready_only_looks_at_the_given_buckets():
-    s = Scheduler(policy(max_wait=0.5, max_wait_per_bucket={256: 3.0}))
+    s = make_scheduler(policy(max_wait=0.5, max_wait_per_bucket={256: 3.0}))
     s.submit(ticket(256, arrived=0.0))
     assert s.time_until_ready(0.0, SHORT_LANE) is None
     assert s.time_until_ready(0.0, LONG_LANE) == pytest.approx(3.0)
@@ -510,7 +515,7 @@ def test_time_until_ready_only_looks_at_the_given_buckets():
 def test_a_ticket_that_may_not_wait_makes_its_bucket_ready_at_once():
     """Continuous mode with siblings: no request can join before the call is answered, so
     waiting for company would only add latency."""
-    scheduler = Scheduler(policy(max_wait=0.5))
+    scheduler = make_scheduler(policy(max_wait=0.5))
     waiting = ticket(16, arrived=0.0)
     scheduler.submit(waiting)
     assert scheduler.next_batch(0.1) is None

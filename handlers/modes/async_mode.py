@@ -1,0 +1,74 @@
+"""Async mode (`asyncCommunication: true`): TorchServe hands each request to its own coroutine as
+it arrives, and the coroutine awaits the request's answer from tsbatch's lanes. TorchServe 0.12
+cannot restart an async worker that died (see the README), so it is opt-in.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+from handlers.errors import ServingError
+from handlers.modes.scheduled import ScheduledMode
+from handlers.scheduler import Answer, Ticket
+from handlers.stages import Call, answer, parse, tokenize
+
+
+class _Future:
+    """Waits for one ticket on its event loop: lane threads settle it thread-safely."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.future = loop.create_future()
+
+    def settle(self, ticket: Ticket, answer_: Answer) -> None:
+        def set_result() -> None:
+            if not self.future.done():
+                self.future.set_result(answer_)
+
+        self.loop.call_soon_threadsafe(set_result)
+
+
+class AsyncMode(ScheduledMode):
+    name = "async"
+
+    async def handle(self, data: list, context) -> list:
+        """Never raises (one raise fails every request in flight on the worker)."""
+        w = self.worker
+        arrived = time.monotonic()  # the deadline counts from here: parsing and tokenizing are inside it
+        call = Call.of(len(data))
+        try:
+            loop = asyncio.get_running_loop()
+            waiting = []
+            for item in tokenize(w.runner, w.edges, w.unfit, parse(data, context, call), call):
+                future = _Future(loop)
+                if self.admit(item, context, arrived, future, call):
+                    waiting.append((item, future))
+            for item, future in waiting:
+                call.settle(item.index, await future.future)
+        except Exception as error:  # noqa: BLE001
+            call.fail_unanswered(error)
+        _reply(answer(call, context), call, context)
+        return [""] * len(data)
+
+
+def _reply(bodies: list, call: Call, context) -> None:
+    """Send the answers of an async-mode call so that TorchServe 0.12's frontend forgets each job.
+
+    Its async frontend drops a job only on a reply marked ts_stream_next=false, and a streamed
+    reply with a status >= 400 loses its body. So: results go out as one streamed chunk (200)
+    whose final reply is the empty list `handle` returns; errors go out as plain full responses
+    (status and JSON body; the frontend closes that connection), and their final reply carries
+    ts_stream_next=false explicitly so the frontend forgets them too.
+    """
+    from ts.handler_utils.utils import send_intermediate_predict_response
+    from ts.protocol.otf_message_handler import create_predict_response
+
+    ids = context.request_ids
+    ok = {i: rid for i, rid in ids.items() if not isinstance(call.answers[i].outcome, ServingError)}
+    failed = {i: rid for i, rid in ids.items() if i not in ok}
+    if ok:
+        send_intermediate_predict_response(bodies, ok, "tsbatch", 200, context)
+    if failed:
+        context.cl_socket.sendall(create_predict_response(bodies, failed, "tsbatch", 200, context))
+        for index in failed:
+            context.set_response_header(index, "ts_stream_next", "false")

@@ -1,0 +1,127 @@
+"""Continuous mode (`continuousBatching: true`, the shipped default).
+
+TorchServe calls `handle` again and again with every request the worker holds plus new arrivals.
+A request is answered when its index is still in `context.request_ids` after the call; an index
+taken out gets no reply, so the frontend keeps that request and sends it again with the next call.
+- The model's only worker answers what is done and goes back for new arrivals, paced by its lanes
+  (`_wait_for_one`).
+- A worker with siblings answers every request of a call in that one reply (`_wait_for_all`):
+  TorchServe 0.12 re-polls a worker holding requests under the model-wide lock an idle sibling
+  keeps while it waits for the next arrival (handlers/siblings.py), and sheds from full calls
+  what cannot end within `max_call_ms` (`_fit_call`).
+A worker that dies fails its requests with TorchServe's "Worker died." and is restarted and warmed.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+from handlers.buckets import Item
+from handlers.errors import Overloaded
+from handlers.modes.scheduled import ScheduledMode, late
+from handlers.scheduler import Answer, Ticket, within_budget
+from handlers.stages import Call, answer, parse, tokenize
+
+
+class ContinuousMode(ScheduledMode):
+    name = "continuous"
+
+    def __init__(self, worker, lanes):
+        super().__init__(worker, lanes)
+        self.running: dict[str, Ticket] = {}  # request id -> ticket not answered yet
+        self.finished: dict[str, Answer] = {}  # request id -> answer not yet replied
+        self.cond = threading.Condition()
+
+    def settle(self, ticket: Ticket, answer_: Answer) -> None:
+        """From a lane thread: a request is done; wake the call waiting for it."""
+        with self.cond:
+            if ticket.rid in self.running:
+                self.finished[ticket.rid] = answer_
+                self.cond.notify_all()
+
+    def handle(self, data: list, context) -> list:
+        """Take in new requests, wait as `_wait_for_one`/`_wait_for_all` say, answer the finished
+        ones. Never raises: a raise would fail every request the worker holds."""
+        w = self.worker
+        arrived = time.monotonic()
+        ids = context.request_ids
+        call = Call.of(len(data))
+        mine = [ids.get(i) for i in range(len(data))]
+        try:
+            alone = w.siblings.alone()
+            new = [i for i, rid in enumerate(mine) if rid not in self.running]
+            items = tokenize(w.runner, w.edges, w.unfit, parse(data, context, call, new), call)
+            if not alone and len(data) >= max(2, w.batch_size // 4):  # a backlog in TorchServe's queue
+                items = self._fit_call(items, call)
+            with self.cond:  # held while admitting, so no lane can settle a ticket not yet in `running`
+                for item in items:
+                    rid = mine[item.index]
+                    ticket = self.admit(item, context, arrived, self, call, rid=rid, may_wait=alone)
+                    if ticket is not None:
+                        self.running[rid] = ticket
+                if alone and all(a is None for a in call.answers):
+                    self._wait_for_one(mine)
+                if not (alone and w.siblings.alone()):
+                    self._wait_for_all(mine)
+                for index, rid in enumerate(mine):
+                    if rid in self.finished:
+                        call.settle(index, self.finished.pop(rid))
+                        del self.running[rid]
+        except Exception as error:  # noqa: BLE001
+            call.fail_unanswered(error)
+            with self.cond:
+                for rid in mine:
+                    self.running.pop(rid, None)
+                    self.finished.pop(rid, None)
+        for index, answered in enumerate(call.answers):
+            if answered is None:
+                del ids[index]  # still running: no reply now, the frontend sends it again
+        return answer(call, context)
+
+    def _wait_for_one(self, mine: list) -> None:
+        """The model's only worker: wait until one of this call's requests is done, then answer it.
+        With nothing done, the call goes back to the frontend for new arrivals only when they could
+        start: after `poll_ms` while a lane is idle, else `poll_ms` before the first busy lane's
+        pass should end (by the latency profile), so what arrived during that pass is taken in, or
+        shed, in time for the lane's next batch. TorchServe calls a worker that holds requests back
+        to back, so this wait is its only pacing. Called under cond."""
+        poll = self.worker.config.poll_ms / 1000
+        hold = max(poll, self.engine.free_in() - poll)
+        self.cond.wait_for(lambda: any(rid in self.finished for rid in mine), timeout=hold)
+
+    def _wait_for_all(self, mine: list) -> None:
+        """A worker with siblings: answer every request of the call in this one reply, bounded by
+        the requests' deadlines (what still runs a second past the last one is answered 504) and
+        by TorchServe's responseTimeout, past which it would kill the worker. Called under cond."""
+        running = [self.running[rid] for rid in mine if rid in self.running]
+        deadlines = [t.deadline for t in running if t.deadline is not None]
+        timeout = self.worker.response_timeout - 1.0
+        if deadlines and len(deadlines) == len(running):
+            timeout = min(timeout, max(deadlines) - time.monotonic() + 1.0)
+        done = self.cond.wait_for(lambda: all(rid in self.finished for rid in mine if rid in self.running),
+                                  timeout=timeout)
+        if not done:
+            for rid in mine:
+                if rid in self.running and rid not in self.finished:
+                    self.finished[rid] = Answer(late(), 0)
+
+    def _fit_call(self, items: list[Item], call: Call) -> list[Item]:
+        """A call with siblings that found a backlog (a quarter of batchSize or more: the frontend
+        gathers a call for 1 ms, so these had queued): take in only the work that can end within
+        max_call_ms per lane (a request's share of its bucket's pass at cap, from the latency
+        profile; a lane always takes its first request) and answer the rest 503 at once. A call is
+        answered whole, and while every worker is inside a call new requests wait in TorchServe's
+        queue, where the handler cannot see or shed them: short calls keep that wait short."""
+        w = self.worker
+        lane_of = {bucket: i for i, lane in enumerate(self.engine.lanes) for bucket in lane}
+        costs = [(lane_of[item.bucket], w.pass_seconds(item.bucket) / w.cap_for(item.bucket)) for item in items]
+        budgets = [w.config.max_call_ms / 1000] * len(self.engine.lanes)
+        taken = []
+        for item, fits in zip(items, within_budget(costs, budgets)):
+            if fits:
+                taken.append(item)
+                continue
+            w.metrics.rejected("call_full")
+            call.fail(item.index, Overloaded(
+                f"this worker took in {w.config.max_call_ms} ms of work with this call: retry shortly"))
+        return taken

@@ -1,0 +1,32 @@
+"""Default mode: TorchServe's own batching. The frontend's batch is split by bucket, shortest
+bucket first, each planned batch run with isolation; every request is answered in the call."""
+from __future__ import annotations
+
+from handlers.buckets import plan_batches
+from handlers.scheduler import Answer
+from handlers.stages import Call, answer, parse, tokenize
+
+
+class DefaultMode:
+    name = "default"
+
+    def __init__(self, worker):
+        self.worker = worker
+
+    def handle(self, data: list, context) -> list:
+        """Never raises: a raise would fail every request of the frontend's batch."""
+        w = self.worker
+        call = Call.of(len(data), batch_size=len(data))
+        try:
+            items = tokenize(w.runner, w.edges, w.unfit, parse(data, context, call), call)
+            for batch in plan_batches(items, w.cap_for):
+                results, report = w.isolator.execute(batch)
+                w.after_batch(batch, report)
+                for item, outcome in zip(batch.items, results):
+                    call.settle(item.index, Answer(outcome, len(data), batch.bucket))
+        except Exception as error:  # noqa: BLE001 - a bug here must not fail the worker
+            call.fail_unanswered(error)
+        return answer(call, context)
+
+    def close(self) -> None:
+        """Nothing runs outside a call."""

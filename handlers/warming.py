@@ -1,0 +1,65 @@
+"""The handler's side of warmup: plan every shape this worker can form, run the plan on the model
+before READY, learn caps from out of memory, and keep the latency profile in the model directory.
+
+The plan and the timing rules live in warmup/ (which knows nothing of handlers); this module
+wires them to the runner. No torch here: the runner does the passes.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Callable
+
+from handlers.buckets import power_of_two_sizes
+from handlers.isolate import describe, is_out_of_memory
+from warmup.plan import Shape, WarmupPlan, plan_shapes
+from warmup.profile import PROFILE_FILE, LatencyProfile
+from warmup.run import estimate, run_plan
+
+logger = logging.getLogger(__name__)
+
+
+def warm_up(runner, config, edges, cap_for: Callable[[int], int], lanes, model_name: str, model_dir: str,
+            startup_timeout, on_oom: Callable) -> LatencyProfile:
+    """Run every shape the handler can form and return the timings as the profile (kept in
+    model_dir for operators and the tuner). `lanes`: [(buckets, threads)], or None in default mode."""
+    plan = WarmupPlan(tuple(plan_shapes(edges, lambda bucket: power_of_two_sizes(cap_for(bucket)))),
+                      config.warmup_repeats, config.warmup_max_repeats)
+    default_threads = runner.describe()["torch_threads"]
+    threads_for = {b: t for lane, t in (lanes or []) for b in lane}
+
+    def run_shape(shape: Shape) -> None:
+        runner.use_threads(threads_for.get(shape.bucket, default_threads))
+        runner.run(runner.synthetic_batch(shape.batch, shape.bucket))
+
+    try:
+        seconds = estimate(plan, run_shape)
+    except Exception as error:  # noqa: BLE001 - out of memory is for the plan to meet, shape by shape
+        if not is_out_of_memory(error):
+            raise
+        on_oom(None, error)
+        seconds = 0.0
+    event = {"event": "estimate", "shapes": len(plan.shapes), "seconds": round(seconds, 1),
+             "startup_timeout": startup_timeout}
+    if isinstance(startup_timeout, int) and seconds > startup_timeout:
+        logger.warning(
+            "tsbatch warmup: %d shapes are estimated to take %.0fs, more than startupTimeout=%ss: "
+            "the worker may be killed before READY; raise startupTimeout in model-config.yaml "
+            "(tsbatch archive sets it from this estimate) or lower max_batch_size",
+            len(plan.shapes), seconds, startup_timeout, extra={"tsbatch_warmup": event})
+    else:
+        logger.info("tsbatch warmup: %d shapes, estimated %.1fs (startupTimeout %ss)",
+                    len(plan.shapes), seconds, startup_timeout, extra={"tsbatch_warmup": event})
+    environment = {**runner.describe(), "lanes": [list(lane) for lane, _ in (lanes or [])],
+                   "threads_per_bucket": threads_for or default_threads}
+    profile = LatencyProfile(model=model_name, environment=environment)
+    run_plan(plan, run_shape, profile, is_oom=is_out_of_memory, describe=describe, on_oom=on_oom)
+    if profile.shapes:  # warmup ends on its largest shapes; the likeliest first request is the smallest
+        run_shape(Shape(profile.shapes[0].batch, profile.shapes[0].bucket))
+    runner.use_threads(default_threads)
+    path = os.path.join(model_dir, PROFILE_FILE)
+    profile.save(path)  # atomically: workers of one model share the directory
+    logger.info("tsbatch warmup done in %.1fs by worker pid %d; latency profile %s: %s",
+                profile.warmup_seconds, os.getpid(), path, profile.to_json().replace("\n", ""),
+                extra={"tsbatch_warmup": {"event": "done", "seconds": profile.warmup_seconds, "path": path}})
+    return profile

@@ -1,0 +1,56 @@
+"""What every serving mode serves with: one record, built once by the handler's initialize().
+
+It also holds the worker's one rule for a bucket's largest batch (`cap_for`: the configuration's
+limit, lowered by caps learned from out of memory) and what the latency profile says a pass
+takes. Pure: the runner (torch) and the metrics store come in from the handler.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from handlers.buckets import power_of_two_sizes
+from handlers.config import HandlerConfig
+from handlers.isolate import Isolator
+from handlers.metrics import Metrics
+from handlers.siblings import Siblings
+
+
+@dataclass
+class Worker:
+    config: HandlerConfig
+    runner: Any  # handlers.runner.ModelRunner: tokenize, run, use_threads
+    edges: tuple[int, ...]
+    isolator: Isolator
+    metrics: Metrics
+    siblings: Siblings
+    unfit: set[int] = field(default_factory=set)  # buckets where not one request fits in memory: 507
+    profile: Any = None  # warmup.profile.LatencyProfile, once warmed
+    batch_size: int = 1  # the frontend's batchSize
+    response_timeout: int = 120  # TorchServe's, from model-config.yaml
+
+    def cap_for(self, bucket: int) -> int:
+        """Largest batch of this bucket: the configuration's limit (token budget, max_batch_size,
+        tuned batch_caps), lowered by any out-of-memory cap learned since."""
+        return self.isolator.caps.cap(bucket, self.config.batch_limit(bucket))
+
+    def batch_sizes(self, bucket: int) -> tuple[int, ...]:
+        """Every batch size the handler forms in this bucket (what warmup runs)."""
+        return power_of_two_sizes(self.cap_for(bucket))
+
+    def pass_seconds(self, bucket: int) -> float:
+        """How long a pass of this bucket takes at its cap (p90 from warmup's latency profile; 0
+        without one): a request that cannot finish by its deadline gets 504 before it runs."""
+        timing = self.profile.lookup(self.cap_for(bucket), bucket) if self.profile else None
+        return timing.p90_ms / 1000 if timing else 0.0
+
+    def typical_pass(self, size: int, bucket: int) -> float:
+        """The median time of a pass of this shape in warmup (0 without a profile or the shape)."""
+        timing = self.profile.lookup(size, bucket) if self.profile else None
+        return timing.median_ms / 1000 if timing else 0.0
+
+    def after_batch(self, batch, report) -> None:
+        """Metrics of a pass that ended (an out-of-memory split has lowered the bucket's cap)."""
+        self.metrics.batch(batch.bucket, batch.size, sum(item.tokens for item in batch.items), report)
+        if report is not None and report.oom_splits:
+            self.metrics.cap(batch.bucket, self.cap_for(batch.bucket))
