@@ -30,8 +30,8 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping
 
-from handlers.buckets import batch_cap, check_edges
 from handlers.config import HandlerConfig
+from handlers.errors import ConfigError
 from handlers.engine import split_lanes
 from warmup.profile import LatencyProfile, ShapeTiming
 
@@ -111,9 +111,6 @@ class Tuning:
     def property_entries(self) -> tuple[tuple[str, str, str], ...]:
         """(key, value, reason) for the tuned block of config.properties."""
         return tuple((key, _property_value(c.value), c.reason) for key, c in self.properties.items())
-
-    def predicted_p99_ms(self) -> dict[int, float]:
-        return {plan.bucket: plan.predicted_p99_ms for plan in self.buckets}
 
 
 def bucket_reason(plan: BucketPlan) -> str:
@@ -209,7 +206,7 @@ def monotone(shapes: Iterable[ShapeTiming]) -> list[ShapeTiming]:
 
 def _sizes(shapes: list[ShapeTiming], bucket: int, config: HandlerConfig) -> list[ShapeTiming]:
     """The shapes of a bucket the handler may form with this config, smallest first."""
-    limit = min(config.max_batch_size, batch_cap(bucket, config.max_batch_tokens))
+    limit = config.batch_limit(bucket)  # tune refuses a configuration with batch_caps: they are its output
     shapes = sorted((s for s in shapes if s.bucket == bucket and s.batch <= limit), key=lambda s: s.batch)
     if not shapes or shapes[0].batch != 1:
         raise TuneError(f"the profile has no batch-1 timing for bucket {bucket}: profile again "
@@ -255,7 +252,10 @@ def _edges(profile: LatencyProfile, config: HandlerConfig) -> tuple[int, ...]:
     if not profile.shapes:
         raise TuneError("the profile has no timings: profile the model first (`tsbatch profile`)")
     if config.buckets is not None:
-        served = check_edges(config.buckets, edges[-1])  # as the handler does, with the model's maximum
+        try:
+            served = config.edges_for(edges[-1])  # as the handler does, with the model's maximum
+        except ConfigError as error:
+            raise TuneError(str(error)) from None
         if served != edges:
             raise TuneError(f"the handler configuration serves buckets {list(served)} but the profile "
                             f"measured {list(edges)}: profile again with the same handler configuration")
@@ -280,16 +280,8 @@ def tune(profile: LatencyProfile, target_ms: float, machine: Machine, config: Ha
     `fixed` names the handler keys the user's configuration set: those keep the user's value."""
     fixed = set(fixed)
     frontend = _mode(mode, config.queue_cap)  # first: refuses an unknown mode
+    _refuse(profile, target_ms, config, fixed)
     scheduler = mode != "kserve"  # tsbatch's scheduler and lanes form the batches
-    if "batch_caps" in fixed:
-        raise TuneError("handler.batch_caps is what tune chooses: remove it from the handler configuration, "
-                        "or build with --no-tune to keep your own")
-    if not (isinstance(target_ms, (int, float)) and target_ms > 0 and math.isfinite(target_ms)):
-        raise TuneError(f"the latency target must be a positive number of milliseconds, got {target_ms!r}")
-    task = profile.environment.get("task")
-    if task is not None and task != config.task.value:
-        raise TuneError(f"the profile was taken for task {task!r} but this configuration serves "
-                        f"{config.task.value!r}: pass --task {task} or profile again")
     edges = _edges(profile, config)
     use_gpu = str(profile.environment.get("device", "cpu")).startswith("cuda")
     workers, threads = plan_workers(machine, use_gpu, config.torch_threads if "torch_threads" in fixed else None)
@@ -301,7 +293,45 @@ def tune(profile: LatencyProfile, target_ms: float, machine: Machine, config: Ha
     intake_ms = config.poll_ms if mode == "continuous" else 0  # a new request is taken in within poll_ms
     wait_ms = (wait.value if wait else 0) + intake_ms
     budget = (target_ms - wait_ms) / 2
+    plans = _plan_buckets(profile, edges, lanes, config, target_ms, wait_ms, budget)
+    memory = ""
+    if profile.oom_caps:
+        memory = ("; out of memory while profiling capped " + ", ".join(
+            f"bucket {b} at {c}" if c else f"bucket {b} entirely (not one request fits: 507)"
+            for b, c in sorted(profile.oom_caps.items())))
+    handler = {
+        "buckets": Choice(list(edges), "the buckets the profile measured: caps are per bucket, so serving "
+                                       "uses the same edges"),
+        "batch_caps": Choice({p.bucket: p.batch for p in plans},
+                             f"per bucket, the measured batch size with the most requests/s whose p90 fits "
+                             f"the per-pass budget (target {target_ms:g} - max_wait {wait_ms - intake_ms:g}"
+                             + (f" - poll {intake_ms:g}" if intake_ms else "") + f") / 2 = {budget:.1f} ms: then "
+                             "p99 <= " + ("poll + " if intake_ms else "") + "max_wait + one pass ahead + its own pass"
+                             + memory),
+        "torch_threads": threads,
+    }
+    if wait is not None:
+        handler["max_wait_ms"] = wait
+    properties = _serving(frontend, plans, workers, use_gpu, profile, config, target_ms)
+    return Tuning(target_ms, machine, mode, frontend, handler, properties, plans)
 
+
+def _refuse(profile: LatencyProfile, target_ms: float, config: HandlerConfig, fixed: set[str]) -> None:
+    """TuneError for what no tuning can serve: a fixed batch_caps, a bad target, another task."""
+    if "batch_caps" in fixed:
+        raise TuneError("handler.batch_caps is what tune chooses: remove it from the handler configuration, "
+                        "or build with --no-tune to keep your own")
+    if not (isinstance(target_ms, (int, float)) and target_ms > 0 and math.isfinite(target_ms)):
+        raise TuneError(f"the latency target must be a positive number of milliseconds, got {target_ms!r}")
+    task = profile.environment.get("task")
+    if task is not None and task != config.task.value:
+        raise TuneError(f"the profile was taken for task {task!r} but this configuration serves "
+                        f"{config.task.value!r}: pass --task {task} or profile again")
+
+
+def _plan_buckets(profile: LatencyProfile, edges, lanes, config: HandlerConfig, target_ms: float,
+                  wait_ms: float, budget: float) -> tuple[BucketPlan, ...]:
+    """Each bucket's cap: the measured batch with the most requests/s whose p90 fits `budget`."""
     smooth = monotone(profile.shapes)
     # out of memory while profiling: a bucket not even one request fit in gets no cap (its requests get 507)
     unfit = tuple(b for b in edges if profile.oom_caps.get(b) == 0)
@@ -320,28 +350,14 @@ def tune(profile: LatencyProfile, target_ms: float, machine: Machine, config: Ha
     caps = {bucket: shape for bucket, (shape, _) in chosen.items()}
     predicted = predicted_p99(caps, lanes, wait_ms)
     lane_of = {bucket: i for i, lane in enumerate(lanes) for bucket in lane}
-    plans = tuple(BucketPlan(b, caps[b].batch, caps[b].median_ms, caps[b].p90_ms, lane_of[b],
-                             round(predicted[b], 1), chosen[b][1]) for b in fit)
-    memory = ""
-    if profile.oom_caps:
-        memory = ("; out of memory while profiling capped " + ", ".join(
-            f"bucket {b} at {c}" if c else f"bucket {b} entirely (not one request fits: 507)"
-            for b, c in sorted(profile.oom_caps.items())))
+    return tuple(BucketPlan(b, caps[b].batch, caps[b].median_ms, caps[b].p90_ms, lane_of[b],
+                            round(predicted[b], 1), chosen[b][1]) for b in fit)
 
-    handler = {
-        "buckets": Choice(list(edges), "the buckets the profile measured: caps are per bucket, so serving "
-                                       "uses the same edges"),
-        "batch_caps": Choice({p.bucket: p.batch for p in plans},
-                             f"per bucket, the measured batch size with the most requests/s whose p90 fits "
-                             f"the per-pass budget (target {target_ms:g} - max_wait {wait_ms - intake_ms:g}"
-                             + (f" - poll {intake_ms:g}" if intake_ms else "") + f") / 2 = {budget:.1f} ms: then "
-                             "p99 <= " + ("poll + " if intake_ms else "") + "max_wait + one pass ahead + its own pass"
-                             + memory),
-        "torch_threads": threads,
-    }
-    if wait is not None:
-        handler["max_wait_ms"] = wait
 
+def _serving(frontend: dict, plans, workers: Choice, use_gpu: bool, profile: LatencyProfile,
+             config: HandlerConfig, target_ms: float) -> dict[str, Choice]:
+    """Fill the frontend keys that follow from the plans (workers, timeouts, queue, device) and
+    return config.properties' tuned block, which repeats them for TorchServe's defaults."""
     worst = max(plans, key=lambda p: p.p90_ms)
     frontend["minWorkers"] = workers
     frontend["maxWorkers"] = Choice(workers.value, "as many as minWorkers: more would oversubscribe the cores "
@@ -354,7 +370,7 @@ def tune(profile: LatencyProfile, target_ms: float, machine: Machine, config: Ha
     frontend["deviceType"] = Choice("gpu" if use_gpu else "cpu",
                                     "the profile ran on " + ("CUDA" if use_gpu else "the CPU")
                                     + ": TorchServe hands out GPU ids only for deviceType gpu")
-    properties = {
+    return {
         "default_workers_per_model": Choice(workers.value, "the same as model-config.yaml's minWorkers, which "
                                                            "wins for this model; " + workers.reason),
         "job_queue_size": Choice(queue.value, "the same as model-config.yaml's jobQueueSize, which wins for "
@@ -363,7 +379,6 @@ def tune(profile: LatencyProfile, target_ms: float, machine: Machine, config: Ha
                                 "GPUs TorchServe may hand to workers: " + ("one per worker" if use_gpu
                                                                            else "none, the model serves on CPU")),
     }
-    return Tuning(target_ms, machine, mode, frontend, handler, properties, plans)
 
 
 def frontend_keys(mode: str, queue_cap: int = HandlerConfig.queue_cap) -> dict[str, Any]:

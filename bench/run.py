@@ -70,19 +70,19 @@ def build_arms(root: str, model_dir: str, arms: list[str]) -> str:
 
 def machine_limit(model_dir: str, seconds: float = 20.0) -> dict:
     """The model's own tokens/s in process (no HTTP, no TorchServe) at the shapes tsbatch forms."""
-    from handlers.buckets import Item, batch_cap, bucket_for, check_edges, default_edges, plan_batches
+    from handlers.buckets import Item, bucket_for, plan_batches
     from handlers.config import HandlerConfig
     from handlers.runner import ModelRunner
 
-    config = HandlerConfig.from_yaml({"task": "embedding"})
+    config = HandlerConfig.from_yaml({"task": "embedding", "max_batch_size": 8})
     runner = ModelRunner(config, model_dir)
-    edges = check_edges(default_edges(runner.max_length), runner.max_length)
+    edges = config.edges_for(runner.max_length)
     texts = [r.text for r in make_requests(400, Mix(), seed=99)]
     items = []
     for i, text in enumerate(texts):
         tokens, enc = runner.tokenize(text)
         items.append(Item(i, text, tokens, bucket_for(tokens, edges), enc))
-    batches = plan_batches(items, lambda b: min(8, batch_cap(b, config.max_batch_tokens)))
+    batches = plan_batches(items, config.batch_limit)
     runner.run(batches[0])
     done_tokens, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:

@@ -7,21 +7,11 @@ failed or the type is anything else. Every shape of that ends here as text or as
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import Any, Mapping
 
 from handlers.errors import BadInput
 
 EXAMPLE = 'send a text/plain UTF-8 body, or JSON {"text": "..."}'
-
-
-@dataclass(frozen=True)
-class Request:
-    """One client request as the handler sees it after parsing."""
-
-    index: int
-    request_id: str
-    text: str
 
 
 def row_value(row: Any) -> Any:

@@ -114,7 +114,6 @@ class ModelRunner:
         self.pad_id = self.tokenizer.pad_token_id or 0
         self.id2label = {int(k): v for k, v in (self.model.config.id2label or {}).items()}
         self.fault = config.fault_injection
-        self.model_name = os.path.basename(os.path.normpath(model_path))
 
     def use_threads(self, count: int, background: bool = False) -> None:
         """Intra-op threads for passes run from the calling thread (each lane has its own OpenMP

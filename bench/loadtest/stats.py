@@ -1,26 +1,17 @@
 """Percentiles and summaries: the one definition every bench report's figures come from.
 
-percentile() is the only percentile in bench/: two definitions side by side would make a p99 in
-one report mean something else than in the next.
+percentile() is warmup.profile's, the project's only one: two definitions side by side would
+make a p99 in one report mean something else than in the next (or than warmup's p90).
 """
 from __future__ import annotations
 
 from collections import Counter
 from typing import TYPE_CHECKING, Iterable, Sequence
 
+from warmup.profile import percentile  # noqa: F401 - the project's one percentile (pure, no torch)
+
 if TYPE_CHECKING:
     from bench.loadtest.load import RunResult
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The sample at rank round(q/100 * (n-1)) of the sorted values (numpy's "nearest"), None if
-    there are none. It is always a measured value, never an interpolation between two; Python's
-    round() sends an exact .5 to the even rank, as numpy does."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    k = min(len(ordered) - 1, max(0, int(round(q / 100 * (len(ordered) - 1)))))
-    return ordered[k]
 
 
 def rounded(value: float | None, digits: int = 3) -> float | None:

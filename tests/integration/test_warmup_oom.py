@@ -7,7 +7,6 @@ with the shape, so the largest bucket may not fit even alone).
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 

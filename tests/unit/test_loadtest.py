@@ -222,7 +222,6 @@ def _bench_sources() -> dict[str, str]:
 def test_each_rule_has_one_home_in_bench():
     sources = _bench_sources()
     homes = {
-        r"def percentile\(": "loadtest/stats.py",
         r"/proc/": "loadtest/proc.py",
         r"readuntil\(b\"\\r\\n\\r\\n\"\)": "loadtest/client.py",
         r"def poisson_arrivals\(": "loadtest/arrivals.py",
@@ -231,6 +230,20 @@ def test_each_rule_has_one_home_in_bench():
         assert [p for p, text in sources.items() if re.search(pattern, text)] == [home], pattern
     # one client opens connections; soak.py's keep-alive clients (reconnecting after errors) are the exception
     assert sorted(p for p, text in sources.items() if "open_connection(" in text) == ["loadtest/client.py", "soak.py"]
+
+
+def test_the_project_has_one_percentile():
+    """warmup's p90 and every bench figure use one definition (warmup/profile.py)."""
+    repo = os.path.dirname(BENCH)
+    found = []
+    for folder in ("handlers", "warmup", "archiver", "bench"):
+        for root, _dirs, files in os.walk(os.path.join(repo, folder)):
+            for name in files:
+                if name.endswith(".py"):
+                    with open(os.path.join(root, name)) as f:
+                        if re.search(r"def percentile\(|quantiles\(|np\.percentile", f.read()):
+                            found.append(os.path.relpath(os.path.join(root, name), repo))
+    assert found == [os.path.join("warmup", "profile.py")]
 
 
 def test_no_bench_file_is_over_300_lines():

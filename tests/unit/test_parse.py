@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from handlers.errors import BadInput
-from handlers.parse import EXAMPLE, Request, parse_text, row_value
+from handlers.parse import EXAMPLE, parse_text, row_value
 
 pytestmark = pytest.mark.unit
 
@@ -172,8 +172,3 @@ def test_row_without_payload_is_an_empty_body():
     with pytest.raises(BadInput, match="empty request body"):
         parse_text(row_value({"a": 1, "b": 2}))
 
-
-def test_request_is_frozen():
-    request = Request(index=0, request_id="r1", text="t")
-    with pytest.raises(AttributeError):
-        request.text = "other"  # type: ignore[misc]
