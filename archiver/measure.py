@@ -11,6 +11,7 @@ import logging
 import os
 import resource
 import shutil
+import sys
 import tempfile
 import time
 from typing import Any, Callable, Mapping
@@ -89,7 +90,8 @@ class _Forward(logging.Handler):
 
 
 def profile_model(model_dir: str, name: str, model_yaml_config: Mapping[str, Any],
-                  progress: Callable[[str], None] = lambda _: None) -> LatencyProfile:
+                  progress: Callable[[str], None] = lambda _: None, handler_file: str | None = None,
+                  extra_files: Mapping[str, str] | None = None) -> LatencyProfile:
     """Initialize the handler on `model_dir` with this model-config.yaml (its handler section must
     have warmup on) and return the profile, its environment completed with this machine's facts."""
     handler_section = model_yaml_config.get("handler") or {}
@@ -105,9 +107,14 @@ def profile_model(model_dir: str, name: str, model_yaml_config: Mapping[str, Any
         logger.addHandler(forward)
     try:
         os.symlink(os.path.abspath(model_dir), os.path.join(root, "model"))
+        if handler_file:  # laid out as the archive's root, which TorchServe puts on sys.path
+            for archive_name, local in {**(extra_files or {}), os.path.basename(handler_file): handler_file}.items():
+                os.symlink(os.path.abspath(local), os.path.join(root, archive_name))
+            sys.path.insert(0, root)
+            handler_file = os.path.join(root, os.path.basename(handler_file))
         context = make_context(root, name, model_yaml_config)
         started = time.perf_counter()
-        handler = _initialize(context, model_dir)
+        handler = _initialize(context, model_dir, handler_file)
         total = time.perf_counter() - started
         profile = handler.profile
         if profile is None or not profile.shapes:
@@ -126,13 +133,40 @@ def profile_model(model_dir: str, name: str, model_yaml_config: Mapping[str, Any
         for logger_name, level in saved_levels.items():
             logging.getLogger(logger_name).removeHandler(forward)
             logging.getLogger(logger_name).setLevel(level)
+        if root in sys.path:
+            sys.path.remove(root)
         shutil.rmtree(root, ignore_errors=True)
 
 
-def _initialize(context, model_dir: str):
-    from handlers.encoder_handler import EncoderHandler
+def handler_class(handler_file: str | None):
+    """The handler TorchServe would instantiate: the one class a team's handler file defines (a
+    TsbatchHandler subclass), or tsbatch's EncoderHandler."""
+    if handler_file is None:
+        from handlers.encoder_handler import EncoderHandler
 
-    handler = EncoderHandler()
+        return EncoderHandler
+    import importlib.util
+    import inspect
+
+    from handlers.tsbatch_handler import TsbatchHandler
+
+    module_name = os.path.splitext(os.path.basename(handler_file))[0]
+    spec = importlib.util.spec_from_file_location(module_name, handler_file)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as error:  # noqa: BLE001 - whatever the team's file raises, say where
+        raise ProfileError(f"{handler_file} failed to import: {type(error).__name__}: {error}") from error
+    defined = [c for _, c in inspect.getmembers(module, inspect.isclass) if c.__module__ == module_name]
+    if len(defined) != 1 or not issubclass(defined[0], TsbatchHandler):
+        raise ProfileError(f"{handler_file} must define exactly one class, a subclass of "
+                           f"handlers.tsbatch_handler.TsbatchHandler (TorchServe instantiates the one class it "
+                           f"finds); found {[c.__name__ for c in defined]}")
+    return defined[0]
+
+
+def _initialize(context, model_dir: str, handler_file: str | None = None):
+    handler = handler_class(handler_file)()
     try:
         handler.initialize(context)
     except Exception as error:  # noqa: BLE001 - any model file can fail to load in its own way

@@ -37,14 +37,28 @@ class ArchiveSpec:
     config_header: str = ""
     extra_files: Mapping[str, str] | None = None  # archive name -> local path (e.g. the profile)
     config_text: str = ""  # model-config.yaml as written (with tune's reasons); empty: dump model_config
-    handler: str = ENTRY  # the handler entry file, relative to the repo (benchmark controls differ)
+    handler: str = ENTRY  # the handler entry file: relative to the repo (benchmark controls), or a team's own (absolute)
 
 
-def check_model_dir(model_dir: str) -> list[str]:
-    """The model's files to ship; refuse what cannot serve or would escape the archive."""
+PICKLED = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+
+
+def check_model_dir(model_dir: str, hugging_face: bool = True) -> list[str]:
+    """The model's files to ship; refuse what cannot serve or would escape the archive. A Hugging
+    Face directory (the built-in encoder) needs config.json, a tokenizer and safetensors weights;
+    a team's own model only safetensors for weights (pickles run code when loaded)."""
     if not os.path.isdir(model_dir):
-        raise ArchiveError(f"model directory {model_dir!r} does not exist: pass MODEL_DIR=<local HF model dir>")
+        raise ArchiveError(f"model directory {model_dir!r} does not exist: pass MODEL_DIR=<local model dir>")
     names = sorted(os.listdir(model_dir))
+    if not hugging_face:
+        pickled = [n for n in names if n.endswith(PICKLED)]
+        if pickled:
+            raise ArchiveError(f"{model_dir} holds pickled weights ({', '.join(pickled)}): loading a pickle runs "
+                               "code; save the weights as .safetensors")
+        for name in names:
+            if name.endswith(".safetensors"):
+                check_safetensors(os.path.join(model_dir, name))
+        return _shipped(model_dir, names)
     if "config.json" not in names:
         raise ArchiveError(f"{model_dir} has no config.json: is it a Hugging Face model directory?")
     if not any(n in names for n in TOKENIZER_FILES):
@@ -58,6 +72,11 @@ def check_model_dir(model_dir: str) -> list[str]:
     for name in names:
         if name.endswith(".safetensors"):
             check_safetensors(os.path.join(model_dir, name))
+    return _shipped(model_dir, names)
+
+
+def _shipped(model_dir: str, names: list[str]) -> list[str]:
+    """The directory's regular files; links and anything resolving outside it are refused."""
     real_root = os.path.realpath(model_dir)
     files = []
     for name in names:
@@ -116,7 +135,8 @@ def check_safetensors(path: str) -> None:
 
 def stage(spec: ArchiveSpec, workdir: str) -> tuple[str, str, str]:
     """Lay out what the archive holds; return (handler file, extra-files dir, config file)."""
-    files = check_model_dir(spec.model_dir)
+    own = os.path.isabs(spec.handler)  # a team's own handler file
+    files = check_model_dir(spec.model_dir, hugging_face=not own)
     extra = os.path.join(workdir, "extra")
     for package in PACKAGES:
         shutil.copytree(
@@ -128,11 +148,18 @@ def stage(spec: ArchiveSpec, workdir: str) -> tuple[str, str, str]:
     for name in files:
         shutil.copy2(os.path.join(spec.model_dir, name), os.path.join(model_out, name))
     for archive_name, local in (spec.extra_files or {}).items():
-        shutil.copy2(local, os.path.join(extra, archive_name))
+        if os.path.isdir(local):
+            shutil.copytree(local, os.path.join(extra, archive_name),
+                            ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        else:
+            shutil.copy2(local, os.path.join(extra, archive_name))
     config_path = os.path.join(workdir, "model-config.yaml")
     with open(config_path, "w") as f:
         f.write(_config_text(spec))
-    handler = os.path.join(extra, spec.handler) if spec.handler == ENTRY else os.path.join(REPO, spec.handler)
+    if own:
+        handler = spec.handler
+    else:
+        handler = os.path.join(extra, spec.handler) if spec.handler == ENTRY else os.path.join(REPO, spec.handler)
     return handler, extra, config_path
 
 

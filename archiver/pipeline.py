@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping
 import yaml
 
 from archiver import kserve
-from archiver.package import ArchiveSpec, build_archive, check_model_dir
+from archiver.package import ENTRY, ArchiveSpec, build_archive, check_model_dir
 from archiver.properties import (
     ServerSettings,
     install_metrics_config,
@@ -43,6 +43,12 @@ class Request:
     gpus: int | None = None
     overrides: Mapping[str, Any] = field(default_factory=dict)  # frontend keys from the command line
     mode: str = "continuous"  # how requests reach tsbatch's scheduler: "continuous" or "async"
+    handler_file: str | None = None  # a team's own handler (absolute path); None: the built-in encoder
+    extra_files: tuple[str, ...] = ()  # what that handler imports, placed beside it (absolute paths)
+
+    def shipped(self) -> dict[str, str]:
+        """Archive-root name -> local path of the team's extra files."""
+        return {os.path.basename(path.rstrip(os.sep)): path for path in self.extra_files}
 
 
 @dataclass(frozen=True)
@@ -58,9 +64,9 @@ class Built:
     manifest: str | None = None
 
 
-def handler_section(task: str, device: str | None = None, handler_config: str | None = None) -> dict:
+def handler_section(task: str | None, device: str | None = None, handler_config: str | None = None) -> dict:
     """The handler: section from the flags and a YAML file (the file wins), validated."""
-    section: dict[str, Any] = {"task": task}
+    section: dict[str, Any] = {"task": task} if task else {}
     if device:
         section["device"] = device
     if handler_config:
@@ -87,9 +93,10 @@ def this_machine() -> Machine:
 
 
 def profile_here(model_dir: str, name: str, section: Mapping[str, Any], mode: str = "continuous",
-                 progress: Progress = lambda _: None) -> LatencyProfile:
+                 progress: Progress = lambda _: None, handler_file: str | None = None,
+                 extra_files: Mapping[str, str] | None = None) -> LatencyProfile:
     """Load and warm the handler in this process with the threads tune will give each worker here."""
-    check_model_dir(model_dir)  # missing files fail here, before torch loads
+    check_model_dir(model_dir, hugging_face=handler_file is None)  # missing files fail here, before torch loads
     from archiver.measure import profile_model
 
     machine = this_machine()
@@ -103,7 +110,7 @@ def profile_here(model_dir: str, name: str, section: Mapping[str, Any], mode: st
              f"{handler['torch_threads']} torch threads per worker")
     yaml_config = {"handler": handler, "startupTimeout": PROFILE_STARTUP_TIMEOUT,  # the mode decides the lanes' threads
                    "continuousBatching": mode == "continuous", "asyncCommunication": mode == "async"}
-    return profile_model(model_dir, name, yaml_config, progress)
+    return profile_model(model_dir, name, yaml_config, progress, handler_file, extra_files)
 
 
 def machine_for(profile: LatencyProfile, cores: int | None, gpus: int | None) -> tuple[Machine, str]:
@@ -164,9 +171,10 @@ def _profile_file(profile: LatencyProfile, directory: str, name: str) -> str:
 
 def _obtain_profile(request: Request, profile_path: str | None, progress: Progress) -> LatencyProfile:
     if profile_path:
-        check_model_dir(request.model_dir)
+        check_model_dir(request.model_dir, hugging_face=request.handler_file is None)
         return load_profile(profile_path)
-    return profile_here(request.model_dir, request.name, request.section, request.mode, progress)
+    return profile_here(request.model_dir, request.name, request.section, request.mode, progress,
+                        request.handler_file, request.shipped())
 
 
 def archive(request: Request, out: str, settings: Mapping[str, Any], profile_path: str | None = None,
@@ -176,7 +184,8 @@ def archive(request: Request, out: str, settings: Mapping[str, Any], profile_pat
     if no_tune:
         queue_cap = HandlerConfig.from_yaml(request.section).queue_cap
         config = model_config(request.section, {**frontend_keys(request.mode, queue_cap), **request.overrides})
-        mar = build_archive(ArchiveSpec(request.model_dir, request.name, config, out), progress)
+        mar = build_archive(ArchiveSpec(request.model_dir, request.name, config, out, extra_files=request.shipped(),
+                                        handler=request.handler_file or ENTRY), progress)
         _write(properties, render_properties(ServerSettings(model_store=out, load_models=(f"{request.name}.mar",),
                                                             metrics_config=install_metrics_config(out), log_config=install_log_config(out), **settings)))
         return Built(properties, config, mar)
@@ -184,7 +193,8 @@ def archive(request: Request, out: str, settings: Mapping[str, Any], profile_pat
     tuning, source = tune_for(request, profile)
     config, text = tuned_config(request, tuning, profile, source)
     kept = _profile_file(profile, out, request.name)
-    spec = ArchiveSpec(request.model_dir, request.name, config, out, extra_files={PROFILE_FILE: kept}, config_text=text)
+    spec = ArchiveSpec(request.model_dir, request.name, config, out, extra_files={**request.shipped(), PROFILE_FILE: kept},
+                       config_text=text, handler=request.handler_file or ENTRY)
     mar = build_archive(spec, progress)
     _write(properties, render_properties(ServerSettings(model_store=out, load_models=(f"{request.name}.mar",),
                                                         metrics_config=install_metrics_config(out), log_config=install_log_config(out),
@@ -231,7 +241,8 @@ def export_kserve(request: Request, out: str, storage_uri: str | None = None, pr
 
 def profile_to(request: Request, path: str, progress: Progress = lambda _: None) -> LatencyProfile:
     """`tsbatch profile`: take the profile here and write it to path."""
-    profile = profile_here(request.model_dir, request.name, request.section, request.mode, progress)
+    profile = profile_here(request.model_dir, request.name, request.section, request.mode, progress,
+                           request.handler_file, request.shipped())
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     profile.save(path)

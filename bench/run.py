@@ -72,10 +72,10 @@ def machine_limit(model_dir: str, seconds: float = 20.0) -> dict:
     """The model's own tokens/s in process (no HTTP, no TorchServe) at the shapes tsbatch forms."""
     from handlers.buckets import Item, bucket_for, plan_batches
     from handlers.config import HandlerConfig
-    from handlers.runner import ModelRunner
+    from handlers.runner import EncoderModel
 
     config = HandlerConfig.from_yaml({"task": "embedding", "max_batch_size": 8})
-    runner = ModelRunner(config, model_dir)
+    runner = EncoderModel(config, model_dir)
     edges = config.edges_for(runner.max_length)
     texts = [r.text for r in make_requests(400, Mix(), seed=99)]
     items = []
@@ -83,11 +83,11 @@ def machine_limit(model_dir: str, seconds: float = 20.0) -> dict:
         tokens, enc = runner.tokenize(text)
         items.append(Item(i, text, tokens, bucket_for(tokens, edges), enc))
     batches = plan_batches(items, config.batch_limit)
-    runner.run(batches[0])
+    runner.forward(batches[0])
     done_tokens, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
         for batch in batches:
-            runner.run(batch)
+            runner.forward(batch)
             done_tokens += batch.real_tokens
     elapsed = time.perf_counter() - start
     return {"real_tokens_per_s": round(done_tokens / elapsed, 1),

@@ -49,6 +49,7 @@ def one(handler_section: dict, steady_runs: int) -> dict:
 
     from handlers.encoder_handler import EncoderHandler
     from tests.support import make_context
+    from handlers.warming import example_batch
     from warmup.plan import plan_shapes
 
     root = tempfile.mkdtemp(prefix="tsbatch-warmbench-")
@@ -60,17 +61,17 @@ def one(handler_section: dict, steady_runs: int) -> dict:
         started = time.perf_counter()
         handler.initialize(context)
         ready_s = time.perf_counter() - started
-        runner = handler.runner
+        runner = handler.model
         shapes = []
         for shape in plan_shapes(handler.edges, handler.worker.batch_sizes):
-            batch = runner.synthetic_batch(shape.batch, shape.bucket)
+            batch = example_batch(runner, shape.batch, shape.bucket)
             t = time.perf_counter()
-            runner.run(batch)
+            runner.forward(batch)
             first = (time.perf_counter() - t) * 1000
             steady = []
             for _ in range(steady_runs):
                 t = time.perf_counter()
-                runner.run(batch)
+                runner.forward(batch)
                 steady.append((time.perf_counter() - t) * 1000)
             median = statistics.median(steady)
             shapes.append({"batch": shape.batch, "bucket": shape.bucket, "first_ms": round(first, 2),

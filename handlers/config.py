@@ -21,11 +21,16 @@ class Task(str, enum.Enum):
     TOKEN_CLASSIFICATION = "token_classification"
 
 
+class InjectedFault(RuntimeError):
+    """Raised by the fault-injection seam in place of a real model failure."""
+
+
 @dataclass(frozen=True)
 class FaultInjection:
-    """Chaos-testing seam: only model-config.yaml can switch it on, never a client."""
+    """Chaos-testing seam: only model-config.yaml can switch it on, never a client. It acts before
+    every forward pass, whatever the model (handlers/api.py)."""
 
-    substring: str | None = None
+    substring: str | None = None  # in a request's text (or, for other inputs, their printed form)
     oom_above_batch: int | None = None
     oom_above_tokens: int | None = None  # batch x bucket tokens: memory that grows with the shape
 
@@ -33,10 +38,25 @@ class FaultInjection:
     def enabled(self) -> bool:
         return self.substring is not None or self.oom_above_batch is not None or self.oom_above_tokens is not None
 
+    def check(self, batch) -> None:
+        """Raise what the configured fault says this batch meets, as the model would."""
+        if self.substring is not None and any(self.substring in _shown(item.encoding) for item in batch.items):
+            raise InjectedFault(f"fault injection: input contains {self.substring!r}")
+        if self.oom_above_batch is not None and batch.size > self.oom_above_batch:
+            raise MemoryError(f"fault injection: out of memory for batch of {batch.size} > {self.oom_above_batch}")
+        if self.oom_above_tokens is not None and batch.size * batch.bucket > self.oom_above_tokens:
+            raise MemoryError(f"fault injection: out of memory for {batch.size} x {batch.bucket} tokens "
+                              f"> {self.oom_above_tokens}")
+
+
+def _shown(prepared: Any) -> str:
+    text = getattr(prepared, "text", None)
+    return text if isinstance(text, str) else str(prepared)
+
 
 @dataclass(frozen=True)
 class HandlerConfig:
-    task: Task
+    task: Task | None = None
     model_dir: str = "model"
     truncation: bool = True
     max_length: int | None = None
@@ -86,11 +106,9 @@ class HandlerConfig:
                 f"handler: unknown key(s) {unknown}" + (f" ({near})" if near else "")
                 + "; the README's handler table lists the known keys"
             )
-        if "task" not in section:
-            raise ConfigError(
-                f"handler.task is required: one of {[t.value for t in Task]}"
-            )
-        values: dict[str, Any] = {"task": _enum(Task, "task", section["task"])}
+        values: dict[str, Any] = {}
+        if "task" in section:  # the built-in encoder needs it (handlers/runner.py); a team's own model may not
+            values["task"] = _enum(Task, "task", section["task"])
         if "model_dir" in section:
             values["model_dir"] = _str("model_dir", section["model_dir"])
         for name in ("truncation", "warmup", "compile"):

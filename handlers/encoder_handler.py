@@ -1,198 +1,22 @@
-"""tsbatch's TorchServe handler for Hugging Face encoders (embedding, sequence and token classification).
+"""tsbatch's built-in TorchServe handler: Hugging Face encoders (embedding, sequence and token
+classification) from a local model directory.
 
 TorchServe imports this file by its basename from the archive root, next to the `handlers/` and
-`warmup/` packages, and instantiates its one class. `initialize` loads the model, warms every
-shape before READY and picks the serving mode once (handlers/modes/); `handle` delegates to it.
-Every mode runs the same stages (handlers/stages.py: parse -> tokenize -> bucket -> batch ->
-run with isolation -> answer) and never raises on input: every request gets a result or its own
-JSON error and status.
+`warmup/` packages, and instantiates its one class. Everything but loading the model is
+TsbatchHandler's (handlers/tsbatch_handler.py); the model is handlers/runner.py's EncoderModel,
+written against the same public API (handlers/api.py) as a team's own model.
 """
 from __future__ import annotations
 
-import logging
-import os
-import time
-from dataclasses import replace
-
+from handlers.api import Model
 from handlers.config import HandlerConfig
-from handlers.engine import split_lanes
-from handlers.isolate import Isolator, OomCaps
-from handlers.memory import OOM_CAPS_FILE, apply_budget, keep_caps, load_caps
-from handlers.metrics import Metrics
-from handlers.modes import make_mode, serving_mode
-from handlers.siblings import Siblings, fit_threads, usable_cores
-from handlers.worker import Worker
-
-logger = logging.getLogger(__name__)
+from handlers.tsbatch_handler import TsbatchHandler
 
 
-class EncoderHandler:
+class EncoderHandler(TsbatchHandler):
     """Serves one encoder model; configured by the `handler:` section of model-config.yaml."""
 
-    def __init__(self):
-        self.initialized = False
-        self.worker: Worker | None = None
-        self.mode = None  # handlers/modes: one object per serving mode, chosen at load
+    def load_model(self, model_path: str, config: HandlerConfig, gpu_id: int | None) -> Model:
+        from handlers.runner import EncoderModel  # torch stays at the edge, loaded only here
 
-    def initialize(self, context) -> None:
-        from handlers.runner import ModelRunner  # torch stays at the edge, loaded only here
-
-        started = time.monotonic()
-        yaml_config = context.model_yaml_config or {}
-        model_dir = context.system_properties.get("model_dir")
-        config = HandlerConfig.from_yaml(yaml_config.get("handler"))
-        # joined first: siblings see this worker long before it polls (continuous mode), and
-        # workers of one model share the cores
-        siblings = Siblings(model_dir).join()
-        config = _fit_threads(config, yaml_config, siblings)
-        gpu_id = context.system_properties.get("gpu_id")
-        runner = ModelRunner(config, os.path.join(model_dir, config.model_dir),
-                             int(gpu_id) if isinstance(gpu_id, (int, str)) and str(gpu_id).isdigit() else None)
-        metrics = Metrics(getattr(context, "metrics", None), context.model_name, _gpu_sampler(runner))
-        _apply_memory_budget(config, runner)
-        # caps learned from out of memory by this model's workers so far (handlers/memory.py)
-        self.caps_file = os.path.join(model_dir, OOM_CAPS_FILE)
-        known = load_caps(self.caps_file)
-        isolator = Isolator(self._timed_run, config.isolation_budget,
-                            OomCaps({b: c for b, c in known.items() if c > 0}, on_learn=self._learned))
-        timeout = yaml_config.get("responseTimeout")
-        self.worker = w = Worker(
-            config, runner, config.edges_for(runner.max_length), isolator, metrics, siblings,
-            unfit={bucket for bucket, cap in known.items() if cap == 0},
-            batch_size=int(context.system_properties.get("batch_size") or 1),
-            response_timeout=timeout if isinstance(timeout, int) and timeout > 1 else 120)
-        mode = serving_mode(yaml_config)
-        lanes = self._lanes() if mode != "default" else None
-        if config.warmup:
-            from handlers.warming import warm_up
-
-            w.profile = warm_up(runner, config, [e for e in w.edges if e not in w.unfit], w.cap_for, lanes,
-                                context.model_name, model_dir, yaml_config.get("startupTimeout", 120), self._free_memory)
-            self._learn_from_warmup(w.profile)
-            metrics.warmup(w.profile)
-        for bucket in w.edges:  # every bucket's cap, learned from out of memory or not
-            metrics.cap(bucket, 0 if bucket in w.unfit else w.cap_for(bucket))
-        runner.mark_ready()
-        self.mode = make_mode(mode, w, lanes)
-        if config.fault_injection.enabled:
-            logger.warning("fault injection is ON: %s", config.fault_injection)
-        logger.info("tsbatch loaded task=%s mode=%s buckets=%s max_batch_tokens=%d %s in %.1fs",
-                    config.task.value, mode, list(w.edges), config.max_batch_tokens, runner.describe(),
-                    time.monotonic() - started)
-        self.initialized = True
-
-    def handle(self, data: list, context):
-        self.worker.metrics.handler_call()
-        return self.mode.handle(data, context)  # async mode returns a coroutine: TorchServe awaits it
-
-    def close(self) -> None:
-        """Stop the mode's lane threads and leave the siblings' registry (tests, `tsbatch profile`;
-        TorchServe ends a worker by ending its process)."""
-        if self.mode is not None:
-            self.mode.close()
-            self.mode = None
-        if self.worker is not None:
-            self.worker.siblings.leave()
-
-    # -- what tests, the bench and the archiver read
-    @property
-    def config(self) -> HandlerConfig:
-        return self.worker.config
-
-    @property
-    def runner(self):
-        return self.worker.runner
-
-    @property
-    def edges(self) -> tuple[int, ...]:
-        return self.worker.edges
-
-    @property
-    def profile(self):
-        return self.worker.profile
-
-    @property
-    def isolator(self) -> Isolator:
-        return self.worker.isolator
-
-    @property
-    def siblings(self) -> Siblings:
-        return self.worker.siblings
-
-    def cap_for(self, bucket: int) -> int:
-        return self.worker.cap_for(bucket)
-
-    # -- the worker's edges: lanes, timing, memory
-    def _lanes(self) -> list[tuple[tuple[int, ...], int]]:
-        """The scheduler modes' lanes (buckets each serves) and the intra-op threads each one gets:
-        a share of the worker's, so two lanes busy at once never oversubscribe the cores (OpenMP
-        teams that outnumber the cores spin against each other: warmup of 3 workers x 2 lanes x
-        2 threads on 2 cores ran 5x slower than with 1 thread a lane)."""
-        lanes = split_lanes(self.worker.edges, self.worker.config.long_lane_from)
-        threads = max(1, self.worker.runner.describe()["torch_threads"] // len(lanes))
-        return [(lane, threads) for lane in lanes]
-
-    def _timed_run(self, batch):
-        """One forward pass, timed for tsbatch_forward_seconds (failed passes count too)."""
-        started = time.perf_counter()
-        try:
-            return self.worker.runner.run(batch)
-        finally:
-            self.worker.metrics.forward(batch.bucket, time.perf_counter() - started)
-
-    def _learned(self, bucket: int, cap: int) -> None:
-        """A cap learned while serving: keep it for this model's workers (a restarted one too)."""
-        keep_caps(self.caps_file, {bucket: cap}, "learned while serving")
-        self.worker.metrics.cap(bucket, cap)
-
-    def _learn_from_warmup(self, profile) -> None:
-        """Caps warmup learned from out of memory hold from now on, for this model's workers."""
-        if not profile.oom_caps:
-            return
-        caps = self.worker.isolator.caps.caps
-        for bucket, cap in profile.oom_caps.items():
-            if cap == 0:
-                self.worker.unfit.add(bucket)
-            else:
-                caps[bucket] = min(cap, caps.get(bucket, cap))
-        keep_caps(self.caps_file, profile.oom_caps, "learned at warmup")
-        logger.warning("tsbatch warmup: batch caps learned from out of memory (bucket: largest batch that fits; "
-                       "0: none, those requests get 507): %s", profile.oom_caps)
-
-    def _free_memory(self, shape, error) -> None:
-        """After out of memory: give cached device memory back so the next shapes start clean."""
-        if self.worker.runner.device.type == "cuda":
-            import torch
-
-            torch.cuda.empty_cache()
-
-
-def _fit_threads(config: HandlerConfig, yaml_config: dict, siblings: Siblings) -> HandlerConfig:
-    """Never more intra-op threads than this worker's share of the cores (handlers/siblings.py)."""
-    planned = yaml_config.get("minWorkers")
-    workers = max(1 + siblings.others(fresh=True), planned if isinstance(planned, int) else 1)
-    threads, why = fit_threads(config.torch_threads, usable_cores(), workers)
-    if why:
-        logger.warning("tsbatch threads: %s", why)
-    return replace(config, torch_threads=threads)
-
-
-def _apply_memory_budget(config: HandlerConfig, runner) -> None:
-    if config.memory_budget is None:
-        return
-    if runner.device.type != "cuda":
-        logger.warning("tsbatch: handler.memory_budget=%s is not enforced on %s: torch has no per-process "
-                       "limit for host memory (out of memory still lowers caps, never fails the load)",
-                       config.memory_budget, runner.device.type)
-        return
-    import torch
-
-    logger.info("tsbatch memory budget: %s", apply_budget(config.memory_budget, torch.cuda, runner.device.index or 0))
-
-
-def _gpu_sampler(runner):
-    if runner.device.type != "cuda":
-        return None
-    from handlers.metrics import nvml_sampler
-
-    return nvml_sampler([runner.device.index or 0])
+        return EncoderModel(config, model_path, gpu_id)

@@ -1,7 +1,8 @@
-"""The model runner: the only module that touches torch, transformers and the device.
+"""The built-in model: Hugging Face encoders, the only module that touches torch and transformers.
 
-It tokenizes one request at a time (so each request's length is known before batching) and runs
-one planned Batch as one forward pass, padded to the batch's bucket edge.
+A Model of the public API (handlers/api.py) like any team's own: `prepare` tokenizes one request
+(so its length is known before batching), `forward` runs one planned Batch as one pass, padded to
+the batch's bucket edge, and `example` makes warmup's inputs.
 """
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ from transformers import (
     AutoTokenizer,
 )
 
+from handlers.api import Model, Request
 from handlers.buckets import Batch
-from handlers.config import FaultInjection, HandlerConfig, Task
+from handlers.config import HandlerConfig, Task
 from handlers.entities import group_entities
 from handlers.errors import ConfigError, InputTooLong
 from handlers.isolate import is_out_of_memory
@@ -40,16 +42,13 @@ _PAD_VALUES = {"attention_mask": 0, "token_type_ids": 0}
 PREFIX_CHARS_PER_TOKEN = 32
 
 
-class InjectedFault(RuntimeError):
-    """Raised by the fault-injection seam in place of a real model failure."""
-
-
 @dataclass(frozen=True)
 class Encoding:
-    """One request's tokenizer output, unpadded."""
+    """One request's tokenizer output, unpadded, and its text (entities point into it)."""
 
     features: dict[str, list[int]]
     offsets: list[tuple[int, int]] | None = None
+    text: str = ""
 
 
 def resolve_device(name: str, gpu_id: int | None = None) -> torch.device:
@@ -83,10 +82,12 @@ def model_max_length(model_path: str, tokenizer, model_config) -> int:
     return min(limits)
 
 
-class ModelRunner:
+class EncoderModel(Model):
     """Loads a Hugging Face encoder from a local directory and runs planned batches on it."""
 
     def __init__(self, config: HandlerConfig, model_path: str, gpu_id: int | None = None):
+        if config.task is None:
+            raise ConfigError(f"handler.task is required: one of {[t.value for t in Task]}")
         if not os.path.isdir(model_path):
             raise ConfigError(f"model directory {model_path} does not exist")
         self.config = config
@@ -113,7 +114,6 @@ class ModelRunner:
         self.max_length = min(config.max_length, limit) if config.max_length else limit
         self.pad_id = self.tokenizer.pad_token_id or 0
         self.id2label = {int(k): v for k, v in (self.model.config.id2label or {}).items()}
-        self.fault = config.fault_injection
 
     def use_threads(self, count: int, background: bool = False) -> None:
         """Intra-op threads for passes run from the calling thread (each lane has its own OpenMP
@@ -128,20 +128,16 @@ class ModelRunner:
             except OSError as error:
                 logger.info("cannot lower the long lane's priority: %s", error)
 
-    def synthetic_batch(self, batch_size: int, bucket: int) -> Batch:
-        """`batch_size` synthetic requests of exactly `bucket` tokens, as the tokenizer makes them."""
-        from handlers.buckets import Item
-
-        text = " ".join(["warm"] * (2 * bucket + 8))
-        out = self.tokenizer(text, truncation=True, max_length=bucket,
+    def example(self, length: int) -> Encoding:
+        """A synthetic request of exactly `length` tokens, as the tokenizer makes it."""
+        text = " ".join(["warm"] * (2 * length + 8))
+        out = self.tokenizer(text, truncation=True, max_length=length,
                              return_offsets_mapping=self.task is Task.TOKEN_CLASSIFICATION, verbose=False)
         features = {k: list(v) for k, v in out.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
         offsets = [tuple(o) for o in out["offset_mapping"]] if "offset_mapping" in out else None
-        encoding = Encoding(features, offsets)
-        tokens = len(features["input_ids"])
-        return Batch(bucket, tuple(Item(i, text, tokens, bucket, encoding) for i in range(batch_size)))
+        return Encoding(features, offsets, text)
 
-    def mark_ready(self) -> None:
+    def ready(self) -> None:
         """From now on any compilation is a shape warmup missed: remember the count to compare."""
         self._graphs_at_ready = _compiled_graphs() if self.compiled else None
 
@@ -168,7 +164,10 @@ class ModelRunner:
             "max_length": self.max_length,
         }
 
-    # -- tokenize: one request -> its token count and unpadded encoding
+    # -- prepare: one request -> its token count and unpadded encoding
+    def prepare(self, request: Request) -> tuple[int, Encoding]:
+        return self.tokenize(request.text())
+
     def tokenize(self, text: str) -> tuple[int, Encoding]:
         truncate = self.config.truncation
         out = None
@@ -184,7 +183,7 @@ class ModelRunner:
             )
         features = {k: list(v) for k, v in out.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
         offsets = [tuple(o) for o in out["offset_mapping"]] if "offset_mapping" in out else None
-        return len(ids), Encoding(features, offsets)
+        return len(ids), Encoding(features, offsets, text)
 
     def _encode(self, text: str, truncate: bool):
         return self.tokenizer(
@@ -207,10 +206,9 @@ class ModelRunner:
         out = self._encode(text[:cut], True)
         return out if len(out["input_ids"]) >= self.max_length else None
 
-    # -- run: one planned batch -> one result per item, in the batch's order
+    # -- forward: one planned batch -> one result per item, in the batch's order
     @torch.inference_mode()
-    def run(self, batch: Batch) -> list[dict[str, Any]]:
-        self._inject_faults(batch)
+    def forward(self, batch: Batch) -> list[dict[str, Any]]:
         inputs = self._collate([item.encoding for item in batch.items], batch.bucket)
         try:
             outputs = self.model(**inputs)
@@ -224,20 +222,6 @@ class ModelRunner:
         if self.task is Task.SEQUENCE_CLASSIFICATION:
             return self._sequence_labels(outputs.logits)
         return self._entities(outputs.logits, batch)
-
-    def _inject_faults(self, batch: Batch) -> None:
-        fault: FaultInjection = self.fault
-        if not fault.enabled:
-            return
-        if fault.substring is not None and any(fault.substring in item.text for item in batch.items):
-            raise InjectedFault(f"fault injection: input contains {fault.substring!r}")
-        if fault.oom_above_batch is not None and batch.size > fault.oom_above_batch:
-            raise MemoryError(
-                f"fault injection: out of memory for batch of {batch.size} > {fault.oom_above_batch}"
-            )
-        if fault.oom_above_tokens is not None and batch.size * batch.bucket > fault.oom_above_tokens:
-            raise MemoryError(f"fault injection: out of memory for {batch.size} x {batch.bucket} tokens "
-                              f"> {fault.oom_above_tokens}")
 
     def _collate(self, encodings: Sequence[Encoding], length: int) -> dict[str, torch.Tensor]:
         columns: dict[str, list[list[int]]] = {}
@@ -283,7 +267,7 @@ class ModelRunner:
                     continue
                 best = int(row[pos].argmax())
                 tokens.append((self._label(best), float(row[pos][best]), start, end))
-            results.append({"entities": group_entities(tokens, item.text)})
+            results.append({"entities": group_entities(tokens, item.encoding.text)})
         return results
 
 

@@ -1,4 +1,5 @@
-"""The request stages every serving mode runs, as plain functions: parse -> tokenize -> answer.
+"""The request stages every serving mode runs, as plain functions: prepare (parse, measure,
+bucket) -> ... -> answer.
 
 A handler call's answers live in one `Call`. Each stage records a request's failure there and
 hands only the others on, so a request that fails is answered alone, with its own status, and
@@ -14,9 +15,10 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Collection, Sequence
 
+from handlers.api import Request
 from handlers.buckets import Item, bucket_for
-from handlers.errors import BadInput, ModelFailed, OutOfMemory, Overloaded, ServingError
-from handlers.parse import parse_text, row_value
+from handlers.errors import BadInput, InputTooLong, ModelFailed, OutOfMemory, Overloaded, ServingError
+from handlers.parse import row_value
 from handlers.scheduler import Answer
 
 logger = logging.getLogger(__name__)
@@ -56,37 +58,35 @@ class Call:
         self.answers = [a if a is not None else Answer(failure, self.batch_size, 0) for a in self.answers]
 
 
-def parse(data: list, context, call: Call, rows: Sequence[int] | None = None) -> list[tuple[int, str]]:
-    """(row, text) for every row (or the given ones) whose payload is a text."""
-    texts = []
+def prepare(model, edges: Sequence[int], unfit: Collection[int], data: list, context, call: Call,
+            rows: Sequence[int] | None = None) -> list[Item]:
+    """Every row (or the given ones) as an Item with its length and bucket, from the model's
+    `prepare` (handlers/api.py); a row it refuses, or one too long for every bucket, or of a
+    bucket where not one request fits in memory (`unfit`: 507), is answered in `call` alone."""
+    items = []
     for index in range(len(data)) if rows is None else rows:
         try:
-            texts.append((index, parse_text(row_value(data[index]), content_type(context, index))))
-        except ServingError as error:
-            call.fail(index, error)
-    return texts
-
-
-def tokenize(runner, edges: Sequence[int], unfit: Collection[int], texts: list[tuple[int, str]],
-             call: Call) -> list[Item]:
-    """Tokenize and bucket each text; `unfit` buckets (not one request fits in memory) get 507."""
-    items = []
-    for index, text in texts:
-        try:
-            tokens, encoding = runner.tokenize(text)
+            length, prepared = model.prepare(Request(row_value(data[index]), content_type(context, index)))
         except ServingError as error:
             call.fail(index, error)
             continue
-        except Exception as error:  # noqa: BLE001 - e.g. lone surrogates the tokenizer rejects
-            call.fail(index, BadInput(f"text cannot be tokenized ({type(error).__name__}: {error})"))
+        except Exception as error:  # noqa: BLE001 - e.g. lone surrogates a tokenizer rejects
+            call.fail(index, BadInput(f"the model cannot take this request ({type(error).__name__}: {error})"))
             continue
-        bucket = bucket_for(tokens, edges)
+        if not isinstance(length, int) or isinstance(length, bool) or length < 0:
+            call.fail(index, ModelFailed(f"the model's prepare() returned length {length!r}: it must be a whole "
+                                         "number >= 0"))
+            continue
+        if length > edges[-1]:
+            call.fail(index, InputTooLong(f"input is {length} long, the model takes at most {edges[-1]}"))
+            continue
+        bucket = bucket_for(length, edges)
         if bucket in unfit:
             call.fail(index, OutOfMemory(
-                f"inputs of up to {bucket} tokens (this request has {tokens}) do not fit in this worker's "
-                f"memory even one at a time (learned from out of memory): send a shorter text"))
+                f"inputs of up to {bucket} tokens (this request has {length}) do not fit in this worker's "
+                f"memory even one at a time (learned from out of memory): send a shorter input"))
             continue
-        items.append(Item(index, text, tokens, bucket, encoding))
+        items.append(Item(index, "", length, bucket, prepared))
     return items
 
 

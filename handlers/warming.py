@@ -2,7 +2,7 @@
 before READY, learn caps from out of memory, and keep the latency profile in the model directory.
 
 The plan and the timing rules live in warmup/ (which knows nothing of handlers); this module
-wires them to the runner. No torch here: the runner does the passes.
+wires them to the model (handlers/api.py). No torch here: the model does the passes.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import logging
 import os
 from typing import Callable
 
-from handlers.buckets import power_of_two_sizes
+from handlers.buckets import Batch, Item, power_of_two_sizes
 from handlers.isolate import describe, is_out_of_memory
 from warmup.plan import Shape, WarmupPlan, plan_shapes
 from warmup.profile import PROFILE_FILE, LatencyProfile
@@ -19,18 +19,25 @@ from warmup.run import estimate, run_plan
 logger = logging.getLogger(__name__)
 
 
-def warm_up(runner, config, edges, cap_for: Callable[[int], int], lanes, model_name: str, model_dir: str,
-            startup_timeout, on_oom: Callable) -> LatencyProfile:
+def warm_up(model, config, edges, cap_for: Callable[[int], int], lanes, model_name: str, model_dir: str,
+            startup_timeout, on_oom: Callable, forward: Callable | None = None) -> LatencyProfile:
     """Run every shape the handler can form and return the timings as the profile (kept in
-    model_dir for operators and the tuner). `lanes`: [(buckets, threads)], or None in default mode."""
+    model_dir for operators and the tuner). `lanes`: [(buckets, threads)], or None in default mode;
+    `forward`: how a pass runs (default: the model's own)."""
+    forward = forward or model.forward
     plan = WarmupPlan(tuple(plan_shapes(edges, lambda bucket: power_of_two_sizes(cap_for(bucket)))),
                       config.warmup_repeats, config.warmup_max_repeats)
-    default_threads = runner.describe()["torch_threads"]
+    default_threads = model.describe().get("torch_threads")  # None: the model has no thread setting
     threads_for = {b: t for lane, t in (lanes or []) for b in lane}
+    examples: dict[int, Batch] = {}
 
     def run_shape(shape: Shape) -> None:
-        runner.use_threads(threads_for.get(shape.bucket, default_threads))
-        runner.run(runner.synthetic_batch(shape.batch, shape.bucket))
+        if shape.bucket not in examples:
+            examples[shape.bucket] = example_batch(model, 1, shape.bucket)
+        threads = threads_for.get(shape.bucket, default_threads)
+        if threads:
+            model.use_threads(threads)
+        forward(Batch(shape.bucket, examples[shape.bucket].items * shape.batch))
 
     try:
         seconds = estimate(plan, run_shape)
@@ -50,16 +57,23 @@ def warm_up(runner, config, edges, cap_for: Callable[[int], int], lanes, model_n
     else:
         logger.info("tsbatch warmup: %d shapes, estimated %.1fs (startupTimeout %ss)",
                     len(plan.shapes), seconds, startup_timeout, extra={"tsbatch_warmup": event})
-    environment = {**runner.describe(), "lanes": [list(lane) for lane, _ in (lanes or [])],
+    environment = {**model.describe(), "lanes": [list(lane) for lane, _ in (lanes or [])],
                    "threads_per_bucket": threads_for or default_threads}
     profile = LatencyProfile(model=model_name, environment=environment)
     run_plan(plan, run_shape, profile, is_oom=is_out_of_memory, describe=describe, on_oom=on_oom)
     if profile.shapes:  # warmup ends on its largest shapes; the likeliest first request is the smallest
         run_shape(Shape(profile.shapes[0].batch, profile.shapes[0].bucket))
-    runner.use_threads(default_threads)
+    if default_threads:
+        model.use_threads(default_threads)
     path = os.path.join(model_dir, PROFILE_FILE)
     profile.save(path)  # atomically: workers of one model share the directory
     logger.info("tsbatch warmup done in %.1fs by worker pid %d; latency profile %s: %s",
                 profile.warmup_seconds, os.getpid(), path, profile.to_json().replace("\n", ""),
                 extra={"tsbatch_warmup": {"event": "done", "seconds": profile.warmup_seconds, "path": path}})
     return profile
+
+
+def example_batch(model, size: int, length: int) -> Batch:
+    """`size` copies of the model's example input of exactly `length`, as one batch of that bucket."""
+    example = model.example(length)
+    return Batch(length, tuple(Item(i, "", length, length, example) for i in range(size)))

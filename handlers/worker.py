@@ -2,13 +2,14 @@
 
 It also holds the worker's one rule for a bucket's largest batch (`cap_for`: the configuration's
 limit, lowered by caps learned from out of memory) and what the latency profile says a pass
-takes. Pure: the runner (torch) and the metrics store come in from the handler.
+takes. Pure: the model (torch) and the metrics store come in from the handler.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
+from handlers.api import Model
 from handlers.buckets import power_of_two_sizes
 from handlers.config import HandlerConfig
 from handlers.isolate import Isolator
@@ -19,7 +20,7 @@ from handlers.siblings import Siblings
 @dataclass
 class Worker:
     config: HandlerConfig
-    runner: Any  # handlers.runner.ModelRunner: tokenize, run, use_threads
+    model: Model  # handlers/api.py: the built-in encoder (handlers/runner.py) or a team's own
     edges: tuple[int, ...]
     isolator: Isolator
     metrics: Metrics

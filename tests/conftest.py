@@ -38,16 +38,16 @@ def tiny_models(tmp_path_factory, minilm_dir) -> dict[str, str]:
 @pytest.fixture(scope="module", autouse=True)
 def no_lane_outlives_its_module():
     """Threads have an owner: after each test module, every handler it initialized is closed
-    (EncoderHandler.close stops its mode's lanes) and no tsbatch lane thread is left running."""
+    (TsbatchHandler.close stops its mode's lanes) and no tsbatch lane thread is left running."""
     yield
     import gc
     import threading
 
-    handlers = sys.modules.get("handlers.encoder_handler")
-    if handlers is None:
+    module = sys.modules.get("handlers.tsbatch_handler")
+    if module is None:
         return
     for obj in gc.get_objects():
-        if type(obj) is handlers.EncoderHandler:  # type(), not isinstance: no lazy torch attributes touched
+        if module.TsbatchHandler in type(obj).__mro__:  # not isinstance: no lazy torch attributes touched
             obj.close()
     left = [t.name for t in threading.enumerate() if t.name.startswith("tsbatch-lane")]
     assert not left, f"lane threads left running after the module: {left}"

@@ -6,7 +6,7 @@ make a p99 in one report mean something else than in the next (or than warmup's 
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable
 
 from warmup.profile import percentile  # noqa: F401 - the project's one percentile (pure, no torch)
 

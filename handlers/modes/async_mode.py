@@ -10,7 +10,7 @@ import time
 from handlers.errors import ServingError
 from handlers.modes.scheduled import ScheduledMode
 from handlers.scheduler import Answer, Ticket
-from handlers.stages import Call, answer, parse, tokenize
+from handlers.stages import Call, answer, prepare
 
 
 class _Future:
@@ -39,7 +39,7 @@ class AsyncMode(ScheduledMode):
         try:
             loop = asyncio.get_running_loop()
             waiting = []
-            for item in tokenize(w.runner, w.edges, w.unfit, parse(data, context, call), call):
+            for item in prepare(w.model, w.edges, w.unfit, data, context, call):
                 future = _Future(loop)
                 if self.admit(item, context, arrived, future, call):
                     waiting.append((item, future))

@@ -20,7 +20,7 @@ from handlers.buckets import Item
 from handlers.errors import Overloaded
 from handlers.modes.scheduled import ScheduledMode, late
 from handlers.scheduler import Answer, Ticket, within_budget
-from handlers.stages import Call, answer, parse, tokenize
+from handlers.stages import Call, answer, prepare
 
 
 class ContinuousMode(ScheduledMode):
@@ -50,7 +50,7 @@ class ContinuousMode(ScheduledMode):
         try:
             alone = w.siblings.alone()
             new = [i for i, rid in enumerate(mine) if rid not in self.running]
-            items = tokenize(w.runner, w.edges, w.unfit, parse(data, context, call, new), call)
+            items = prepare(w.model, w.edges, w.unfit, data, context, call, new)
             if not alone and len(data) >= max(2, w.batch_size // 4):  # a backlog in TorchServe's queue
                 items = self._fit_call(items, call)
             with self.cond:  # held while admitting, so no lane can settle a ticket not yet in `running`

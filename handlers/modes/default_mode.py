@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from handlers.buckets import plan_batches
 from handlers.scheduler import Answer
-from handlers.stages import Call, answer, parse, tokenize
+from handlers.stages import Call, answer, prepare
 
 
 class DefaultMode:
@@ -18,7 +18,7 @@ class DefaultMode:
         w = self.worker
         call = Call.of(len(data), batch_size=len(data))
         try:
-            items = tokenize(w.runner, w.edges, w.unfit, parse(data, context, call), call)
+            items = prepare(w.model, w.edges, w.unfit, data, context, call)
             for batch in plan_batches(items, w.cap_for):
                 results, report = w.isolator.execute(batch)
                 w.after_batch(batch, report)

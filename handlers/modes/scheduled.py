@@ -80,7 +80,7 @@ class ScheduledMode:
         self.worker.after_batch(batch, report)
 
     def _on_lane_start(self, index: int) -> None:
-        self.worker.runner.use_threads(self.lanes[index][1], background=index > 0)
+        self.worker.model.use_threads(self.lanes[index][1], background=index > 0)
 
 
 def late() -> DeadlineExceeded:

@@ -1,6 +1,8 @@
 """The handler with a TorchServe-shaped context and real models: contract, bad input, tasks."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from handlers.encoder_handler import EncoderHandler
@@ -141,13 +143,14 @@ def test_token_classification_entities_point_into_the_text(tiny_models):
 
 @pytest.mark.parametrize("handler_section, words", [
     ({"task": "summarize"}, "handler.task"),
+    ({"model_dir": "model"}, "handler.task is required: one of ['embedding', 'sequence_classification', 'token_classification']"),
     ({"task": "embedding", "buckets": [64, 32]}, "strictly increasing"),
     ({"task": "embedding", "max_batch_tokens": "many"}, "max_batch_tokens"),
     ({"task": "embedding", "model_dir": "/nonexistent/model"}, "does not exist"),
 ])
 def test_bad_config_fails_at_load_with_a_clear_message(minilm_dir, handler_section, words):
     context = make_context(minilm_dir, handler_section)
-    with pytest.raises(ConfigError, match=words.replace(".", r"\.")):
+    with pytest.raises(ConfigError, match=re.escape(words)):
         EncoderHandler().initialize(context)
 
 
@@ -198,19 +201,19 @@ def test_a_huge_input_gets_the_tokens_of_the_whole_text(minilm, name):
     handler, _context = minilm
     text = HUGE_INPUTS[name]
     started = time.perf_counter()
-    tokens, encoding = handler.runner.tokenize(text)
+    tokens, encoding = handler.model.tokenize(text)
     elapsed = time.perf_counter() - started
-    whole = handler.runner._encode(text, True)
+    whole = handler.model._encode(text, True)
     assert encoding.features["input_ids"] == list(whole["input_ids"])
     assert tokens == len(whole["input_ids"])
     # the prefix is used exactly where it fills max_length; the whole text is tokenized otherwise
-    assert (handler.runner._tokenize_prefix(text) is not None) == (name in ("plain words", "newlines only"))
+    assert (handler.model._tokenize_prefix(text) is not None) == (name in ("plain words", "newlines only"))
     print(f"{name}: {len(text)} chars -> {tokens} tokens in {elapsed * 1000:.1f} ms")
 
 
 def test_a_huge_input_keeps_character_offsets_for_token_classification(tiny_models):
     handler, _context = load(tiny_models["token_classification"], task="token_classification")
     text = " ".join(["Alice met Bob in Paris."] * 5_000)
-    _tokens, encoding = handler.runner.tokenize(text)
-    whole = handler.runner._encode(text, True)
+    _tokens, encoding = handler.model.tokenize(text)
+    whole = handler.model._encode(text, True)
     assert encoding.offsets == [tuple(o) for o in whole["offset_mapping"]]

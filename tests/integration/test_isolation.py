@@ -44,7 +44,7 @@ def test_only_the_failing_requests_fail(poisoned, alone, bad):
 def test_a_broken_model_fails_fast_after_the_budget(minilm_dir, caplog):
     handler, context = load(minilm_dir, fault_injection={"substring": " "}, isolation_budget=4)
     calls = []
-    original = handler.runner.run
+    original = handler.isolator._run  # the handler's pass, fault injection included
     handler.isolator._run = lambda batch: (calls.append(batch.size), original(batch))[1]
     with caplog.at_level(logging.ERROR):
         replies = call(handler, context, TEXTS)
@@ -65,7 +65,7 @@ def test_out_of_memory_halves_and_learns_a_cap(minilm_dir, caplog):
     assert handler.cap_for(bucket) == 2  # 8 -> 4 failed, 4 -> 2 worked: the largest that worked
     assert caplog.text.count("capped at 2") == 1
     sizes = []
-    original = handler.runner.run
+    original = handler.isolator._run  # the handler's pass, fault injection included
     handler.isolator._run = lambda batch: (sizes.append(batch.size), original(batch))[1]
     replies = call(handler, context, TEXTS)
     assert [r.status for r in replies] == [200] * 8
@@ -74,10 +74,10 @@ def test_out_of_memory_halves_and_learns_a_cap(minilm_dir, caplog):
 
 def test_input_that_does_not_fit_alone_gets_507(minilm_dir):
     handler, context = load(minilm_dir)
-    original = handler.runner.run
+    original = handler.isolator._run  # the handler's pass, fault injection included
 
     def run(batch):
-        if any("HUGE" in item.text for item in batch.items):
+        if any("HUGE" in item.encoding.text for item in batch.items):
             raise MemoryError("simulated: out of memory")
         return original(batch)
 

@@ -166,10 +166,10 @@ def test_the_archiver_refuses_a_model_without_safetensors(pickled_model, tmp_pat
 
 
 def test_the_runner_refuses_pickled_weights(pickled_model):
-    from handlers.runner import ModelRunner
+    from handlers.runner import EncoderModel
 
     with pytest.raises(OSError, match="safetensors"):
-        ModelRunner(HandlerConfig.from_yaml({"task": "sequence_classification"}), pickled_model)
+        EncoderModel(HandlerConfig.from_yaml({"task": "sequence_classification"}), pickled_model)
     context = make_context(pickled_model, {"task": "sequence_classification", "model_dir": pickled_model,
                                            "warmup": False})
     with pytest.raises(OSError, match="safetensors"):
@@ -178,7 +178,7 @@ def test_the_runner_refuses_pickled_weights(pickled_model):
 
 def test_a_booby_trapped_pickle_is_never_unpickled(tmp_path, tiny_models):
     import torch
-    from handlers.runner import ModelRunner
+    from handlers.runner import EncoderModel
 
     marker = str(tmp_path / "code-ran")
     # control: the trap fires whenever something unpickles it
@@ -191,7 +191,7 @@ def test_a_booby_trapped_pickle_is_never_unpickled(tmp_path, tiny_models):
     shutil.copytree(tiny_models["sequence_classification"], model_dir)
     torch.save({"bert.embeddings.word_embeddings.weight": Trap(marker)}, os.path.join(model_dir, "pytorch_model.bin"))
     config = HandlerConfig.from_yaml({"task": "sequence_classification"})
-    ModelRunner(config, model_dir)
+    EncoderModel(config, model_dir)
     assert not os.path.exists(marker), "pytorch_model.bin was unpickled"
 
     # alone: refused, still never opened as a pickle
@@ -199,7 +199,7 @@ def test_a_booby_trapped_pickle_is_never_unpickled(tmp_path, tiny_models):
         if name.endswith(".safetensors"):
             os.remove(os.path.join(model_dir, name))
     with pytest.raises(OSError):
-        ModelRunner(config, model_dir)
+        EncoderModel(config, model_dir)
     assert not os.path.exists(marker), "pytorch_model.bin was unpickled"
 
 

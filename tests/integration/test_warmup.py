@@ -10,7 +10,7 @@ import pytest
 
 from handlers.buckets import plan_batches
 from handlers.encoder_handler import EncoderHandler
-from handlers.stages import Call, tokenize
+from handlers.stages import Call, prepare
 from tests.support import call, make_context
 from warmup.profile import PROFILE_FILE, LatencyProfile
 
@@ -52,7 +52,8 @@ def test_profile_lists_every_shape_the_handler_can_form(warmed):
         assert key in env
     assert profile.model == "m" and profile.warmup_seconds > 0
     # whatever traffic arrives, the handler forms only warmed shapes
-    items = [tokenize(handler.runner, handler.edges, (), [(i, "word " * n)], Call.of(1))[0] for i, n in enumerate([3, 3, 3, 3, 3, 3, 3, 40, 40, 40, 200])]
+    rows = [("word " * n).encode() for n in [3, 3, 3, 3, 3, 3, 3, 40, 40, 40, 200]]
+    items = prepare(handler.model, handler.edges, (), [{"body": row} for row in rows], None, Call.of(len(rows)))
     for batch in plan_batches(items, handler.cap_for):
         assert (batch.size, batch.bucket) in warmed_shapes
 

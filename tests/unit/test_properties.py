@@ -207,7 +207,7 @@ def template() -> dict:
 def test_model_config_without_overrides_is_the_template():
     assert model_config({}) == template()
     assert model_config({}, None) == template()
-    assert model_config({})["handler"] == {"task": "embedding", "model_dir": "model"}
+    assert model_config({})["handler"] == {"model_dir": "model"}  # the task comes from the CLI (--task), or none
 
 
 def test_model_config_merges_handler_and_frontend_overrides():

@@ -26,6 +26,9 @@ PURE = [
     "handlers.siblings",
     "handlers.memory",
     "handlers.stages",
+    "handlers.api",
+    "handlers.tsbatch_handler",
+    "handlers.encoder_handler",  # torch loads only when a model is loaded
     "handlers.worker",
     "handlers.warming",
     "handlers.socket_guard",
