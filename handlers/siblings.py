@@ -48,6 +48,7 @@ class Siblings:
         staging = os.path.join(self.folder, self.name + ".new")
         fd = os.open(staging, os.O_CREAT | os.O_RDWR, 0o600)
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.pwrite(fd, b"1", 0)  # loading and warming: not polling, as busy as a call (in_call(False) once READY)
         os.rename(staging, os.path.join(self.folder, self.name))
         self._fd = fd
         self._checked = float("-inf")
@@ -81,6 +82,30 @@ class Siblings:
 
     def alone(self) -> bool:
         return self.others() == 0
+
+    def in_call(self, busy: bool) -> None:
+        """Say whether this worker is inside a call (one byte at the start of its file). A sibling
+        that is not is polling TorchServe's queue, so that queue holds no backlog."""
+        if self._fd is not None:
+            try:
+                os.pwrite(self._fd, b"1" if busy else b"0", 0)
+            except OSError:
+                pass
+
+    def any_idle(self) -> bool:
+        """Whether some live sibling is outside a call (waiting for the next request)."""
+        try:
+            names = [n for n in os.listdir(self.folder) if n.endswith(".lock") and n != self.name]
+        except OSError:
+            return False
+        for name in names:
+            try:
+                with open(os.path.join(self.folder, name), "rb") as f:
+                    if f.read(1) != b"1":
+                        return True
+            except OSError:
+                continue  # gone meanwhile
+        return False
 
 
 def _alive(path: str) -> bool:

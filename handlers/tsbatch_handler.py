@@ -79,6 +79,7 @@ class TsbatchHandler:
             metrics.cap(bucket, 0 if bucket in w.unfit else w.cap_for(bucket))
         model.ready()
         self.mode = make_mode(mode, w, lanes)
+        siblings.in_call(False)  # ready: from now on this worker polls for requests between calls
         if config.fault_injection.enabled:
             logger.warning("fault injection is ON: %s", config.fault_injection)
         logger.info("tsbatch loaded %s mode=%s buckets=%s max_batch_tokens=%d %s in %.1fs",

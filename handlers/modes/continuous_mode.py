@@ -7,8 +7,8 @@ taken out gets no reply, so the frontend keeps that request and sends it again w
   (`_wait_for_one`).
 - A worker with siblings answers every request of a call in that one reply (`_wait_for_all`):
   TorchServe 0.12 re-polls a worker holding requests under the model-wide lock an idle sibling
-  keeps while it waits for the next arrival (handlers/siblings.py), and sheds from full calls
-  what cannot end within `max_call_ms` (`_fit_call`).
+  keeps while it waits for the next arrival (handlers/siblings.py), and, when every worker is busy,
+  sheds from full calls what cannot end within `max_call_ms` (`_fit_call`).
 A worker that dies fails its requests with TorchServe's "Worker died." and is restarted and warmed.
 """
 from __future__ import annotations
@@ -47,12 +47,13 @@ class ContinuousMode(ScheduledMode):
         ids = context.request_ids
         call = Call.of(len(data))
         mine = [ids.get(i) for i in range(len(data))]
+        w.siblings.in_call(True)
         try:
             alone = w.siblings.alone()
             new = [i for i, rid in enumerate(mine) if rid not in self.running]
             items = prepare(w.model, w.edges, w.unfit, data, context, call, new)
-            if not alone and len(data) >= max(2, w.batch_size // 4):  # a backlog in TorchServe's queue
-                items = self._fit_call(items, call)
+            if not alone and len(data) >= max(2, w.batch_size // 4) and not w.siblings.any_idle():
+                items = self._fit_call(items, call)  # a backlog in TorchServe's queue, every worker busy
             with self.cond:  # held while admitting, so no lane can settle a ticket not yet in `running`
                 for item in items:
                     rid = mine[item.index]
@@ -73,6 +74,8 @@ class ContinuousMode(ScheduledMode):
                 for rid in mine:
                     self.running.pop(rid, None)
                     self.finished.pop(rid, None)
+        finally:
+            w.siblings.in_call(False)
         for index, answered in enumerate(call.answers):
             if answered is None:
                 del ids[index]  # still running: no reply now, the frontend sends it again
@@ -107,7 +110,9 @@ class ContinuousMode(ScheduledMode):
 
     def _fit_call(self, items: list[Item], call: Call) -> list[Item]:
         """A call with siblings that found a backlog (a quarter of batchSize or more: the frontend
-        gathers a call for 1 ms, so these had queued): take in only the work that can end within
+        gathers a call for 1 ms, so these had queued) while every sibling is inside a call too (an
+        idle sibling would be polling, so a big call then is a burst, not a queue that grows, and
+        it is served whole): take in only the work that can end within
         max_call_ms per lane (a request's share of its bucket's pass at cap, from the latency
         profile; a lane always takes its first request) and answer the rest 503 at once. A call is
         answered whole, and while every worker is inside a call new requests wait in TorchServe's

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from tests.support import SharedQueueFrontend, cosine, load_handler
+from tests.support import ContinuousFrontend, SharedQueueFrontend, cosine, load_handler
 
 pytestmark = pytest.mark.integration
 
@@ -117,6 +117,9 @@ def test_a_call_with_siblings_takes_in_only_what_fits_its_budget_and_sheds_the_r
         handler.worker.profile = _FlatProfile()  # every pass 50 ms, one request each: one per lane fits a call
     frontend = SharedQueueFrontend(pool, batch_size=pool[0][1].system_properties["batch_size"])
     try:
+        for handler, _ in pool:  # every worker inside a call: what queued is a backlog
+            handler.siblings.in_call = lambda busy, real=handler.siblings.in_call: real(True)
+            handler.siblings.in_call(True)
         for i in range(12):
             frontend.submit(f"c{i}", f"call budget request {i}")
         assert frontend.wait([f"c{i}" for i in range(12)], timeout=60)
@@ -133,6 +136,25 @@ def test_a_call_with_siblings_takes_in_only_what_fits_its_budget_and_sheds_the_r
         assert [frontend.replies[f"small{i}"].status for i in range(3)] == [200] * 3
     finally:
         frontend.close()
+
+
+def test_a_big_call_while_a_sibling_idles_is_a_burst_and_is_served_whole(minilm_dir):
+    """An idle sibling polls TorchServe's queue, so that queue holds no backlog: a big call is a
+    burst (TorchServe handed it all to one worker) and shedding it would only refuse work."""
+    (first, context), (second, _) = workers(minilm_dir, 2, poll_ms=5, max_call_ms=1, max_batch_size=1)
+    first.worker.profile = _FlatProfile()  # by the call budget, one request per lane fits a call
+    frontend = ContinuousFrontend(first, context)
+    for i in range(12):
+        frontend.submit(f"burst{i}", f"burst request {i}")
+    replies = frontend.drain()
+    assert [replies[f"burst{i}"].status for i in range(12)] == [200] * 12
+    assert frontend.calls == 1  # answered whole, in the call that brought it
+    second.siblings.in_call(True)  # now every worker is inside a call: the same call is a backlog
+    frontend = ContinuousFrontend(first, context)
+    for i in range(12):
+        frontend.submit(f"backlog{i}", f"backlog request {i}")
+    statuses = [r.status for r in frontend.drain().values()]
+    assert 503 in statuses and 200 in statuses, statuses
 
 
 class _FlatProfile:

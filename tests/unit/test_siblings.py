@@ -84,3 +84,16 @@ def test_fit_threads_never_oversubscribes_the_cores(asked, cores, workers, expec
 
 def test_usable_cores_counts_this_process_affinity():
     assert 1 <= usable_cores() <= (os.cpu_count() or 1)
+
+
+def test_a_sibling_outside_a_call_is_idle_and_a_warming_one_is_not(tmp_path):
+    first = Siblings(str(tmp_path)).join()
+    assert not first.any_idle()  # alone: no sibling at all
+    second = Siblings(str(tmp_path)).join()
+    assert not first.any_idle()  # joined: loading and warming, not polling yet
+    second.in_call(False)  # READY, waiting for requests
+    assert first.any_idle()
+    second.in_call(True)
+    assert not first.any_idle()
+    second.leave()
+    assert not first.any_idle()
