@@ -92,9 +92,16 @@ def _frontend_args(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tsbatch",
-        description="Package a local Hugging Face encoder for TorchServe with tsbatch's handler.",
+        description="Package a model for TorchServe with tsbatch's handler: a local Hugging Face encoder, "
+                    "or your own model (--handler).",
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_archive_parser, _profile_parser, _tune_parser, _export_parser, _ready_parser, _stop_parser):
+        add(sub)
+    return parser
+
+
+def _archive_parser(sub) -> None:
     archive = sub.add_parser(
         "archive",
         help="profile, tune and build model_store/NAME.mar and model_store/config.properties",
@@ -113,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     _profile_choice(archive)
     _frontend_args(archive)
     _server_args(archive)
+
+
+def _profile_parser(sub) -> None:
     profile = sub.add_parser(
         "profile",
         help="load the model in the handler here, warm every shape and write its latency profile",
@@ -125,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     _device_arg(profile)
     _mode_arg(profile)
     profile.add_argument("--out", default=PROFILE_FILE, help=f"where to write the profile (default: {PROFILE_FILE})")
+
+
+def _tune_parser(sub) -> None:
     tune = sub.add_parser(
         "tune",
         help="choose batch caps, workers, timeouts from a latency profile; write model-config.yaml and config.properties",
@@ -138,6 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
     _mode_arg(tune)
     _tune_args(tune)
     _server_args(tune)
+
+
+def _export_parser(sub) -> None:
     export = sub.add_parser(
         "export",
         help="write a deployment layout for another platform (--kserve)",
@@ -157,6 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
     _tune_args(export)
     _profile_choice(export)
     _frontend_args(export)
+
+
+def _ready_parser(sub) -> None:
     ready = sub.add_parser(
         "wait-ready",
         help="wait until every worker of a model is READY on the management API",
@@ -167,9 +186,11 @@ def build_parser() -> argparse.ArgumentParser:
     ready.add_argument("--workers", type=int, default=1, help="workers that must be READY")
     ready.add_argument("--timeout", type=float, default=600, help="seconds to wait (default 600)")
     ready.add_argument("--log", default="", help="log file to point at when it fails")
+
+
+def _stop_parser(sub) -> None:
     stop = sub.add_parser("stop", help="stop the torchserve whose pid file is in RUN_DIR/tmp and wait for it to exit")
     stop.add_argument("--run-dir", default=".run", help="the directory `make serve` ran torchserve in")
-    return parser
 
 
 def cmd_stop(args) -> int:
