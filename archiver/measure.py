@@ -28,11 +28,11 @@ class ProfileError(Exception):
 
 
 def available_cores() -> int:
-    """Cores this process may use: CPU affinity, then a cgroup v2 CPU quota (containers)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cores = os.cpu_count() or 1
+    """Cores this process may use: CPU affinity (what a worker fits its threads to), then a
+    cgroup v2 CPU quota (containers)."""
+    from handlers.siblings import usable_cores
+
+    cores = usable_cores()
     try:
         with open("/sys/fs/cgroup/cpu.max") as f:
             quota, period = f.read().split()[:2]

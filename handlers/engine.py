@@ -26,6 +26,12 @@ from handlers.scheduler import Answer, Scheduler, Ticket
 logger = logging.getLogger(__name__)
 
 
+def missed_deadline() -> DeadlineExceeded:
+    """What a request that could not finish before its deadline is answered (504)."""
+    return DeadlineExceeded("this request could not finish before its deadline (the worker is saturated): "
+                            "raise X-Deadline-Ms or retry")
+
+
 def split_lanes(edges: Sequence[int], long_lane_from: int | None) -> list[tuple[int, ...]]:
     """One lane for all buckets, or two: edges below `long_lane_from` and the rest."""
     if long_lane_from is None:
@@ -138,9 +144,7 @@ class Engine:
 
     def _run(self, expired: list[Ticket], picked) -> None:
         for ticket in expired:
-            self.deliver(ticket, Answer(DeadlineExceeded(
-                "this request could not finish before its deadline (the worker is saturated): "
-                "raise X-Deadline-Ms or retry"), 0))
+            self.deliver(ticket, Answer(missed_deadline(), 0))
         if picked is None:
             return
         batch, tickets = picked

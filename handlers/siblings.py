@@ -71,17 +71,20 @@ class Siblings:
         now = self.clock()
         if not fresh and now - self._checked < self.ttl:
             return self._count
-        try:
-            names = [n for n in os.listdir(self.folder) if n.endswith(".lock") and n != self.name]
-        except OSError:
-            names = []
-        count = sum(1 for name in names if _alive(os.path.join(self.folder, name)))
+        count = sum(1 for name in self._others_files() if _alive(os.path.join(self.folder, name)))
         if not fresh:  # a fresh count is for a one-off decision; the cache keeps its own schedule
             self._count, self._checked = count, now
         return count
 
     def alone(self) -> bool:
         return self.others() == 0
+
+    def _others_files(self) -> list[str]:
+        """The other workers' registry files (none when the registry cannot be read)."""
+        try:
+            return [n for n in os.listdir(self.folder) if n.endswith(".lock") and n != self.name]
+        except OSError:
+            return []
 
     def in_call(self, busy: bool) -> None:
         """Say whether this worker is inside a call (one byte at the start of its file). A sibling
@@ -94,11 +97,7 @@ class Siblings:
 
     def any_idle(self) -> bool:
         """Whether some live sibling is outside a call (waiting for the next request)."""
-        try:
-            names = [n for n in os.listdir(self.folder) if n.endswith(".lock") and n != self.name]
-        except OSError:
-            return False
-        for name in names:
+        for name in self._others_files():
             try:
                 with open(os.path.join(self.folder, name), "rb") as f:
                     if f.read(1) != b"1":

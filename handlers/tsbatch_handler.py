@@ -70,7 +70,7 @@ class TsbatchHandler:
         if config.warmup:
             from handlers.warming import warm_up
 
-            w.profile = warm_up(model, config, [e for e in w.edges if e not in w.unfit], w.cap_for, lanes,
+            w.profile = warm_up(model, config, [e for e in w.edges if e not in w.unfit], w.batch_sizes, lanes,
                                 context.model_name, model_dir, yaml_config.get("startupTimeout", 120), self._free_memory,
                                 self._forward)
             self._learn_from_warmup(w.profile)

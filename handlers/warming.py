@@ -10,7 +10,7 @@ import logging
 import os
 from typing import Callable
 
-from handlers.buckets import Batch, Item, power_of_two_sizes
+from handlers.buckets import Batch, Item
 from handlers.isolate import describe, is_out_of_memory
 from warmup.plan import Shape, WarmupPlan, plan_shapes
 from warmup.profile import PROFILE_FILE, LatencyProfile
@@ -19,13 +19,13 @@ from warmup.run import estimate, run_plan
 logger = logging.getLogger(__name__)
 
 
-def warm_up(model, config, edges, cap_for: Callable[[int], int], lanes, model_name: str, model_dir: str,
+def warm_up(model, config, edges, sizes_for: Callable[[int], tuple[int, ...]], lanes, model_name: str, model_dir: str,
             startup_timeout, on_oom: Callable, forward: Callable | None = None) -> LatencyProfile:
     """Run every shape the handler can form and return the timings as the profile (kept in
     model_dir for operators and the tuner). `lanes`: [(buckets, threads)], or None in default mode;
     `forward`: how a pass runs (default: the model's own)."""
     forward = forward or model.forward
-    plan = WarmupPlan(tuple(plan_shapes(edges, lambda bucket: power_of_two_sizes(cap_for(bucket)))),
+    plan = WarmupPlan(tuple(plan_shapes(edges, sizes_for)),
                       config.warmup_repeats, config.warmup_max_repeats)
     default_threads = model.describe().get("torch_threads")  # None: the model has no thread setting
     threads_for = {b: t for lane, t in (lanes or []) for b in lane}

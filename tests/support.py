@@ -19,6 +19,17 @@ TINY_LABELS = {
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "tokenizer_config.json", "special_tokens_map.json")
 
 
+class FakeClock:
+    """A clock for pure code under test: one millisecond passes each time it is read."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 0.001
+        return self.now
+
+
 def make_context(model_dir: str, handler: dict, batch_size: int = 8, name: str = "m",
                  frontend: dict | None = None):
     """A real ts.context.Context, as TorchServe's worker builds it, with our handler: section

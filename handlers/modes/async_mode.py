@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-from handlers.errors import ServingError
 from handlers.modes.scheduled import ScheduledMode
 from handlers.scheduler import Answer, Ticket
 from handlers.stages import Call, answer, prepare
@@ -64,7 +63,7 @@ def _reply(bodies: list, call: Call, context) -> None:
     from ts.protocol.otf_message_handler import create_predict_response
 
     ids = context.request_ids
-    ok = {i: rid for i, rid in ids.items() if not isinstance(call.answers[i].outcome, ServingError)}
+    ok = {i: rid for i, rid in ids.items() if not call.answers[i].failed}
     failed = {i: rid for i, rid in ids.items() if i not in ok}
     if ok:
         send_intermediate_predict_response(bodies, ok, "tsbatch", 200, context)

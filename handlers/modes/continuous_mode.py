@@ -18,7 +18,8 @@ import time
 
 from handlers.buckets import Item
 from handlers.errors import Overloaded
-from handlers.modes.scheduled import ScheduledMode, late
+from handlers.engine import missed_deadline
+from handlers.modes.scheduled import ScheduledMode
 from handlers.scheduler import Answer, Ticket, within_budget
 from handlers.stages import Call, answer, prepare
 
@@ -106,7 +107,7 @@ class ContinuousMode(ScheduledMode):
         if not done:
             for rid in mine:
                 if rid in self.running and rid not in self.finished:
-                    self.finished[rid] = Answer(late(), 0)
+                    self.finished[rid] = Answer(missed_deadline(), 0)
 
     def _fit_call(self, items: list[Item], call: Call) -> list[Item]:
         """A call with siblings that found a backlog (a quarter of batchSize or more: the frontend

@@ -82,7 +82,3 @@ class ScheduledMode:
     def _on_lane_start(self, index: int) -> None:
         self.worker.model.use_threads(self.lanes[index][1], background=index > 0)
 
-
-def late() -> DeadlineExceeded:
-    return DeadlineExceeded("this request could not finish before its deadline (the worker is saturated): "
-                            "raise X-Deadline-Ms or retry")

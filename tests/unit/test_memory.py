@@ -8,21 +8,13 @@ from handlers.config import HandlerConfig
 from handlers.errors import ConfigError
 from handlers.isolate import is_out_of_memory
 from handlers.memory import apply_budget, budget_bytes, keep_caps, load_caps
+from tests.support import FakeClock
 from warmup.plan import Shape, WarmupPlan, plan_shapes
 from warmup.profile import LatencyProfile
 from warmup.run import run_plan
 
 pytestmark = pytest.mark.unit
 GiB = 2**30
-
-
-class FakeClock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        self.now += 0.001
-        return self.now
 
 
 class FakeAllocator:

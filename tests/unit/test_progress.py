@@ -8,18 +8,10 @@ import pytest
 from archiver.measure import _Forward, progress_line
 from warmup.plan import Shape, WarmupPlan
 from warmup.profile import LatencyProfile
+from tests.support import FakeClock
 from warmup.run import run_plan
 
 pytestmark = pytest.mark.unit
-
-
-class Ticks:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        self.now += 0.001
-        return self.now
 
 
 def test_every_warmup_shape_reaches_the_progress_callback_as_an_event():
@@ -31,7 +23,7 @@ def test_every_warmup_shape_reaches_the_progress_callback_as_an_event():
     logger.addHandler(forward)
     try:
         plan = WarmupPlan((Shape(1, 16), Shape(2, 16), Shape(1, 64)), repeats=2, max_repeats=2)
-        run_plan(plan, lambda shape: None, LatencyProfile("m", {}), clock=Ticks())
+        run_plan(plan, lambda shape: None, LatencyProfile("m", {}), clock=FakeClock())
     finally:
         logger.removeHandler(forward)
         logger.setLevel(level)
