@@ -51,21 +51,21 @@ java:
 setup: $(VENV)/.installed java
 
 archive: setup
-	$(PYTHON) -m archiver archive $(if $(MODEL_DIR),--model-dir "$(MODEL_DIR)") --name $(NAME) --task $(TASK) --out $(STORE) $(ARCHIVE_ARGS)
+	$(PYTHON) -m tsbatch.archiver archive $(if $(MODEL_DIR),--model-dir "$(MODEL_DIR)") --name $(NAME) --task $(TASK) --out $(STORE) $(ARCHIVE_ARGS)
 
 serve: archive
 	@$(MAKE) --no-print-directory stop >/dev/null
 	@mkdir -p $(RUN_DIR)/tmp $(RUN_DIR)/logs
 	@cd $(RUN_DIR) && $(SERVE_ENV) torchserve --start --ncs --ts-config $(CURDIR)/$(STORE)/config.properties \
 		--model-store $(CURDIR)/$(STORE) > $(RUN_DIR)/logs/torchserve-start.log 2>&1 < /dev/null
-	@$(PYTHON) -m archiver wait-ready --management $(MANAGEMENT) --name $(NAME) --timeout 600 --log $(RUN_DIR)/logs/model_log.log
+	@$(PYTHON) -m tsbatch.archiver wait-ready --management $(MANAGEMENT) --name $(NAME) --timeout 600 --log $(RUN_DIR)/logs/model_log.log
 	@echo
 	@echo "$(NAME) is serving. Try:"
 	@echo "  curl -s -X POST $(INFERENCE)/predictions/$(NAME) -H 'Content-Type: text/plain' --data 'A man is eating food.'"
 	@echo "Stop it with: make stop"
 
 stop:
-	@if [ -x $(PYTHON) ]; then $(PYTHON) -m archiver stop --run-dir $(RUN_DIR); fi
+	@if [ -x $(PYTHON) ]; then $(PYTHON) -m tsbatch.archiver stop --run-dir $(RUN_DIR); fi
 
 test: setup
 	$(PYTHON) -m pytest -q $(PYTEST_ARGS)

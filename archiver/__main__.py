@@ -1,3 +1,3 @@
-from archiver.cli import main
+from tsbatch.archiver.cli import main
 
 raise SystemExit(main())

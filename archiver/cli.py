@@ -1,4 +1,4 @@
-"""`tsbatch` / `python -m archiver`: a thin CLI over the packaging library. Only this module prints."""
+"""`tsbatch` / `python -m tsbatch.archiver`: a thin CLI over the packaging library. Only this module prints."""
 from __future__ import annotations
 
 import argparse
@@ -7,14 +7,15 @@ import sys
 
 import yaml
 
-from archiver import pipeline, server
-from archiver.kserve import KServeError
-from archiver.measure import ProfileError
-from archiver.package import ArchiveError
-from archiver.tune import DEFAULT_TARGET_MS, TuneError
-from handlers.config import Task
-from handlers.errors import ConfigError
-from warmup.profile import PROFILE_FILE
+from tsbatch.archiver import pipeline, server
+from tsbatch.archiver.kserve import KServeError
+from tsbatch.archiver.measure import ProfileError
+from tsbatch.archiver.package import ArchiveError
+from tsbatch.archiver.tune import DEFAULT_TARGET_MS, TuneError
+from tsbatch.handlers.buckets import bucket_label
+from tsbatch.handlers.config import Task
+from tsbatch.handlers.errors import ConfigError
+from tsbatch.warmup.profile import PROFILE_FILE
 
 
 def default_model_dir() -> str | None:
@@ -40,7 +41,7 @@ def _model_args(parser: argparse.ArgumentParser, task_default: str | None = Task
                              + "; none with --handler)")
     parser.add_argument("--handler", metavar="FILE",
                         help="your own handler file: one TsbatchHandler subclass whose load_model returns a Model of "
-                             "tsbatch's public API (handlers/api.py); default: tsbatch's encoder handler")
+                             "tsbatch's public API (tsbatch.handlers.api); default: tsbatch's encoder handler")
     parser.add_argument("--extra-files", metavar="PATHS",
                         help="comma-separated files or folders your handler imports, placed beside it at the "
                              "archive's root (as torch-model-archiver's --extra-files)")
@@ -105,7 +106,7 @@ def _archive_parser(sub) -> None:
     archive = sub.add_parser(
         "archive",
         help="profile, tune and build model_store/NAME.mar and model_store/config.properties",
-        description="Build NAME.mar (handler, handlers/, warmup/, model files, model-config.yaml, latency "
+        description="Build NAME.mar (handler, tsbatch/handlers and tsbatch/warmup, model files, model-config.yaml, latency "
         "profile) and a loopback-only config.properties that serves it. By default the model is profiled "
         "on this machine (every batch size x length bucket warmed and timed, as a worker would), and "
         "batch caps per bucket, max wait, workers, threads, timeouts and queue size are tuned to meet "
@@ -249,7 +250,7 @@ def _show_tuning(tuning) -> None:
     say(f"tuned for p99 <= {tuning.target_ms:g} ms on {tuning.machine.cores} cores, {tuning.machine.gpus} GPU(s) ({mode})")
     print("  bucket  lane  batch  median ms  p90 ms   req/s  predicted p99 ms")
     for plan in tuning.buckets:
-        print(f"  {plan.bucket:>6}  {plan.lane:>4}  {plan.batch:>5}  {plan.median_ms:>9.1f}  {plan.p90_ms:>6.1f}  "
+        print(f"  {bucket_label(plan.bucket):>6}  {plan.lane:>4}  {plan.batch:>5}  {plan.median_ms:>9.1f}  {plan.p90_ms:>6.1f}  "
               f"{plan.requests_per_s:>6.0f}  {plan.predicted_p99_ms:>16.0f}")
     values = {**tuning.frontend_values(), **{k: v for k, v in tuning.handler_values().items()
                                              if k not in ("batch_caps", "buckets")}}

@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from archiver.properties import allowed_urls_pattern, render_tuned, render_yaml
+from tsbatch.archiver.properties import allowed_urls_pattern, render_tuned, render_yaml
 
 MOUNT = "/mnt/models"
 MODEL_STORE = f"{MOUNT}/model-store"

@@ -1,7 +1,8 @@
 """Build a TorchServe .mar from a local Hugging Face model directory.
 
-The archive holds the handler entry file at its root, the `handlers/` and `warmup/` packages, the
-model's files under `model/`, and model-config.yaml. Nothing is fetched from a hub.
+The archive holds the handler entry file at its root, tsbatch's `handlers/` and `warmup/` packages
+under `tsbatch/` (the names they have when tsbatch is installed), the model's files under `model/`,
+and model-config.yaml. Nothing is fetched from a hub.
 """
 from __future__ import annotations
 
@@ -16,10 +17,10 @@ from typing import Any, Callable, Mapping
 
 import yaml
 
-from archiver.properties import dump_model_config
+from tsbatch.archiver.properties import dump_model_config
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGES = ("handlers", "warmup")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout, or site-packages/tsbatch
+PACKAGES = ("handlers", "warmup")  # what runs inside a worker, shipped as tsbatch.handlers, tsbatch.warmup
 ENTRY = os.path.join("handlers", "encoder_handler.py")
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "tokenizer.model", "spiece.model", "vocab.json")
 
@@ -140,9 +141,13 @@ def stage(spec: ArchiveSpec, workdir: str) -> tuple[str, str, str]:
     extra = os.path.join(workdir, "extra")
     for package in PACKAGES:
         shutil.copytree(
-            os.path.join(REPO, package), os.path.join(extra, package),
+            os.path.join(REPO, package), os.path.join(extra, "tsbatch", package),
             ignore=shutil.ignore_patterns("__pycache__", "*.pyc"),
         )
+    # A regular package, so the archive's own copy is imported even where another tsbatch is
+    # installed (an installed tsbatch is a namespace package, which a regular one always wins over).
+    with open(os.path.join(extra, "tsbatch", "__init__.py"), "w") as f:
+        f.write('"""tsbatch as shipped inside this archive."""\n')
     model_out = os.path.join(extra, "model")
     os.makedirs(model_out)
     for name in files:
@@ -159,7 +164,8 @@ def stage(spec: ArchiveSpec, workdir: str) -> tuple[str, str, str]:
     if own:
         handler = spec.handler
     else:
-        handler = os.path.join(extra, spec.handler) if spec.handler == ENTRY else os.path.join(REPO, spec.handler)
+        handler = (os.path.join(extra, "tsbatch", spec.handler) if spec.handler == ENTRY
+                   else os.path.join(REPO, spec.handler))
     return handler, extra, config_path
 
 

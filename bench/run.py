@@ -25,10 +25,10 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from archiver import server  # noqa: E402
-from archiver.package import ArchiveSpec, build_archive  # noqa: E402
-from archiver.properties import model_config  # noqa: E402
-from archiver.tune import frontend_keys  # noqa: E402
+from tsbatch.archiver import server  # noqa: E402
+from tsbatch.archiver.package import ArchiveSpec, build_archive  # noqa: E402
+from tsbatch.archiver.properties import model_config  # noqa: E402
+from tsbatch.archiver.tune import frontend_keys  # noqa: E402
 from bench.loadtest import report as reports  # noqa: E402
 from bench.loadtest.sweep import at_rate_interleaved, capacity, floor, measure, passes, sweep_interleaved  # noqa: E402
 from bench.loadtest.workload import Mix, make_requests  # noqa: E402
@@ -70,9 +70,9 @@ def build_arms(root: str, model_dir: str, arms: list[str]) -> str:
 
 def machine_limit(model_dir: str, seconds: float = 20.0) -> dict:
     """The model's own tokens/s in process (no HTTP, no TorchServe) at the shapes tsbatch forms."""
-    from handlers.buckets import Item, bucket_for, plan_batches
-    from handlers.config import HandlerConfig
-    from handlers.runner import EncoderModel
+    from tsbatch.handlers.buckets import Item, bucket_for, plan_batches
+    from tsbatch.handlers.config import HandlerConfig
+    from tsbatch.handlers.runner import EncoderModel
 
     config = HandlerConfig.from_yaml({"task": "embedding", "max_batch_size": 8})
     runner = EncoderModel(config, model_dir)

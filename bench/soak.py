@@ -25,10 +25,10 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from archiver import server  # noqa: E402
-from archiver.package import ArchiveSpec, build_archive  # noqa: E402
-from archiver.tune import frontend_keys  # noqa: E402
-from archiver.properties import model_config  # noqa: E402
+from tsbatch.archiver import server  # noqa: E402
+from tsbatch.archiver.package import ArchiveSpec, build_archive  # noqa: E402
+from tsbatch.archiver.tune import frontend_keys  # noqa: E402
+from tsbatch.archiver.properties import model_config  # noqa: E402
 from bench.loadtest import report as reports  # noqa: E402
 from bench.loadtest.client import read_response, request_head, split_url  # noqa: E402
 from bench.loadtest.proc import rss_kb  # noqa: E402

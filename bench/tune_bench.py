@@ -38,10 +38,10 @@ import yaml
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from archiver import server  # noqa: E402
-from archiver.package import ArchiveSpec, build_archive  # noqa: E402
-from archiver.properties import model_config, read_properties  # noqa: E402
-from archiver.tune import frontend_keys  # noqa: E402
+from tsbatch.archiver import server  # noqa: E402
+from tsbatch.archiver.package import ArchiveSpec, build_archive  # noqa: E402
+from tsbatch.archiver.properties import model_config, read_properties  # noqa: E402
+from tsbatch.archiver.tune import frontend_keys  # noqa: E402
 from bench.loadtest import report as reports  # noqa: E402
 from bench.loadtest.sweep import brief, capacity, measure, passes, sweep_interleaved  # noqa: E402
 
@@ -116,7 +116,7 @@ def tuned_arm(root: str, model_dir: str, buckets: list[int], rates: list[float],
     with open(config, "w") as f:
         json.dump({"buckets": buckets}, f)  # JSON is YAML
     began = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "archiver", "archive", "--model-dir", model_dir, "--name", name,
+    done = subprocess.run([sys.executable, "-m", "tsbatch.archiver", "archive", "--model-dir", model_dir, "--name", name,
                            "--handler-config", config, "--target-ms", str(target_ms), "--out", store],
                           cwd=REPO, capture_output=True, text=True)
     find_s = time.perf_counter() - began

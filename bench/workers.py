@@ -24,7 +24,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from archiver import server  # noqa: E402
+from tsbatch.archiver import server  # noqa: E402
 from bench.loadtest import report as reports  # noqa: E402
 from bench.loadtest.arrivals import poisson_arrivals  # noqa: E402
 from bench.loadtest.load import run_open_loop  # noqa: E402
@@ -41,7 +41,7 @@ GAPS = (0.2, 1.0, 3.0, 0.5, 2.0, 0.2)
 
 def build(store: str, name: str, profile: str | None, extra: list[str] = ()) -> None:
     """`tsbatch archive` as a user runs it (tuned from a profile taken here unless one is given)."""
-    cmd = [sys.executable, "-m", "archiver", "archive", "--name", name, "--out", store, *extra]
+    cmd = [sys.executable, "-m", "tsbatch.archiver", "archive", "--name", name, "--out", store, *extra]
     if profile:
         cmd += ["--profile", profile]
     subprocess.run(cmd, check=True, cwd=REPO)

@@ -5,10 +5,17 @@ A model is three methods, each with one job, and two attributes:
 - `prepare(request) -> (length, input)`: one request becomes one input with a length in the
   model's own unit (tokens, samples, frames). tsbatch buckets requests by that length.
 - `forward(batch) -> results`: one pass over inputs of one bucket. `batch.bucket` is the length
-  to pad to, `batch.items[i].encoding` is what `prepare` returned for item i. One JSON-ready result
+  to pad to, `batch.items[i].input` is what `prepare` returned for item i. One JSON-ready result
   per item, in order. Raise to fail: tsbatch finds the failing items and answers the others.
 - `example(length) -> input`: an input of exactly `length`, for warmup.
 - `max_length`: the longest input, the largest bucket. `device`: "cpu", "cuda", "cuda:1".
+
+A model with a second size that sets a pass's cost, such as a generation's `max_new_tokens`, gives
+one length per size: `prepare` returns `(length, input)` with `length` a tuple such as
+`(prompt_tokens, max_new_tokens)`, `max_length` is the tuple of maxima, and a bucket is then one
+edge per size (`batch.bucket == (32, 16)`; `example` gets such a tuple). tsbatch buckets by every
+size, so a request asking for 8 new tokens never shares a pass with one asking for 256; the
+handler configuration's `buckets` gives one list of edges per size.
 
 Optional: `describe()` (what the latency profile and the log record), `use_threads()` (intra-op
 threads for the calling lane), `ready()` (called once warmup is done).
@@ -24,9 +31,9 @@ import abc
 from dataclasses import dataclass
 from typing import Any
 
-from handlers.buckets import Batch
-from handlers.errors import BadInput, InputTooLong, ServingError  # noqa: F401 - what prepare() raises
-from handlers.parse import parse_text
+from tsbatch.handlers.buckets import Batch
+from tsbatch.handlers.errors import BadInput, InputTooLong, ServingError  # noqa: F401 - what prepare() raises
+from tsbatch.handlers.parse import parse_text
 
 __all__ = ["Batch", "BadInput", "InputTooLong", "Model", "Request", "ServingError"]
 
@@ -47,11 +54,11 @@ class Request:
 class Model(abc.ABC):
     """Subclass it, or write any class with the same methods (TorchServe never sees it)."""
 
-    max_length: int
+    max_length: int | tuple[int, ...]
     device: Any = "cpu"
 
     @abc.abstractmethod
-    def prepare(self, request: Request) -> tuple[int, Any]:
+    def prepare(self, request: Request) -> tuple[int | tuple[int, ...], Any]:
         """(length, input) for one request; raise BadInput (400) or InputTooLong (413) for a
         request the model cannot take: it alone is answered with that error."""
 
@@ -60,7 +67,7 @@ class Model(abc.ABC):
         """One result per item of `batch` (all of one bucket), in order."""
 
     @abc.abstractmethod
-    def example(self, length: int) -> Any:
+    def example(self, length: int | tuple[int, ...]) -> Any:
         """An input of exactly `length` units, as `prepare` would make it: warmup runs these."""
 
     def describe(self) -> dict[str, Any]:

@@ -11,8 +11,9 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
-from handlers.buckets import batch_cap, check_edges, default_edges
-from handlers.errors import ConfigError
+from tsbatch.handlers.buckets import (Bucket, batch_cap, bucket_grid, bucket_label, bucket_order, bucket_tokens, check_edges,
+                                      default_edges, parse_bucket, power_of_two_edges)
+from tsbatch.handlers.errors import ConfigError
 
 
 class Task(str, enum.Enum):
@@ -40,12 +41,12 @@ class FaultInjection:
 
     def check(self, batch) -> None:
         """Raise what the configured fault says this batch meets, as the model would."""
-        if self.substring is not None and any(self.substring in _shown(item.encoding) for item in batch.items):
+        if self.substring is not None and any(self.substring in _shown(item.input) for item in batch.items):
             raise InjectedFault(f"fault injection: input contains {self.substring!r}")
         if self.oom_above_batch is not None and batch.size > self.oom_above_batch:
             raise MemoryError(f"fault injection: out of memory for batch of {batch.size} > {self.oom_above_batch}")
-        if self.oom_above_tokens is not None and batch.size * batch.bucket > self.oom_above_tokens:
-            raise MemoryError(f"fault injection: out of memory for {batch.size} x {batch.bucket} tokens "
+        if self.oom_above_tokens is not None and batch.padded_tokens > self.oom_above_tokens:
+            raise MemoryError(f"fault injection: out of memory for {batch.size} x {bucket_label(batch.bucket)} tokens "
                               f"> {self.oom_above_tokens}")
 
 
@@ -60,10 +61,11 @@ class HandlerConfig:
     model_dir: str = "model"
     truncation: bool = True
     max_length: int | None = None
-    buckets: tuple[int, ...] | None = None
+    # edges of one size, or one list of edges per size for a model with several (handlers/buckets.py)
+    buckets: tuple[int, ...] | tuple[tuple[int, ...], ...] | None = None
     max_batch_tokens: int = 4096
     max_batch_size: int = 16
-    batch_caps: dict[int, int] = field(default_factory=dict)  # bucket edge -> tuned largest batch
+    batch_caps: dict[Bucket, int] = field(default_factory=dict)  # bucket -> tuned largest batch
     isolation_budget: int = 16
     device: str = "auto"
     torch_threads: int | None = None
@@ -117,7 +119,11 @@ class HandlerConfig:
         if section.get("max_length") is not None:
             values["max_length"] = _positive_int("max_length", section["max_length"])
         if section.get("buckets") is not None:
-            values["buckets"] = _edges("buckets", section["buckets"])
+            buckets = section["buckets"]
+            if isinstance(buckets, (list, tuple)) and buckets and all(isinstance(v, (list, tuple)) for v in buckets):
+                values["buckets"] = tuple(_edges(f"buckets[{i}]", v) for i, v in enumerate(buckets))
+            else:
+                values["buckets"] = _edges("buckets", buckets)
         for name in ("max_batch_tokens", "max_batch_size", "isolation_budget", "max_wait_ms", "poll_ms", "max_call_ms", "queue_cap",
                      "age_bound_ms", "priority_aging_ms", "deadline_ms", "deadline_margin_ms", "warmup_repeats",
                      "warmup_max_repeats"):
@@ -134,10 +140,7 @@ class HandlerConfig:
             caps = section["batch_caps"]
             if not isinstance(caps, Mapping):
                 raise ConfigError(f"handler.batch_caps must map bucket edges to batch sizes, got {caps!r}")
-            values["batch_caps"] = {
-                _positive_int("batch_caps key", int(k) if isinstance(k, str) and k.isdigit() else k):
-                _positive_int(f"batch_caps[{k}]", v) for k, v in caps.items()
-            }
+            values["batch_caps"] = {_bucket_key(k): _positive_int(f"batch_caps[{k}]", v) for k, v in caps.items()}
         if "long_lane_from" in section:
             lane = section["long_lane_from"]
             values["long_lane_from"] = None if lane is None else _positive_int("long_lane_from", lane)
@@ -153,17 +156,31 @@ class HandlerConfig:
             )
         return config
 
-    def edges_for(self, max_length: int) -> tuple[int, ...]:
-        """The bucket edges this model serves (configured or default, cut at `max_length`), and the
-        rule that the token budget holds one request of the largest."""
-        edges = check_edges(self.buckets or default_edges(max_length), max_length)
-        if self.max_batch_tokens < edges[-1]:
+    def edges_for(self, max_length: int | tuple[int, ...]) -> tuple[Bucket, ...]:
+        """The buckets this model serves, shortest first: edges configured or default, cut at
+        `max_length` (one maximum per size for a model with several sizes, whose buckets are every
+        combination of one edge per size), and the rule that the token budget holds one request
+        of the largest."""
+        if isinstance(max_length, tuple):
+            configured = self.buckets or (None,) * len(max_length)
+            if not isinstance(configured[0], (tuple, type(None))) or len(configured) != len(max_length):
+                raise ConfigError(f"handler.buckets must give one list of edges per size: this model has "
+                                  f"{len(max_length)} sizes, got {list(self.buckets)}")
+            edges = bucket_grid([check_edges(given or power_of_two_edges(most), most)
+                                 for given, most in zip(configured, max_length)])
+        else:
+            if self.buckets and isinstance(self.buckets[0], tuple):
+                raise ConfigError(f"handler.buckets must be one list of edges: this model has one size, "
+                                  f"got {[list(b) for b in self.buckets]}")
+            edges = check_edges(self.buckets or default_edges(max_length), max_length)
+        largest = max(edges, key=bucket_order)
+        if self.max_batch_tokens < bucket_tokens(largest):
             raise ConfigError(
                 f"handler.max_batch_tokens ({self.max_batch_tokens}) must hold one request of the "
-                f"largest bucket ({edges[-1]} tokens): raise it or lower max_length")
+                f"largest bucket ({bucket_tokens(largest)} tokens): raise it or lower max_length")
         return edges
 
-    def batch_limit(self, bucket: int) -> int:
+    def batch_limit(self, bucket: Bucket) -> int:
         """Largest batch of a bucket by configuration: the token budget, max_batch_size and the
         tuned batch_caps (the worker lowers it further after out of memory: Worker.cap_for)."""
         return min(batch_cap(bucket, self.max_batch_tokens), self.max_batch_size,
@@ -234,6 +251,18 @@ def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"handler.{name} must be a positive integer, got {value!r}")
     return value
+
+
+def _bucket_key(key: Any) -> Bucket:
+    """A batch_caps key: an edge (16, "16") or one edge per size ("32x16")."""
+    try:
+        bucket = parse_bucket(key)
+    except (TypeError, ValueError):
+        bucket = key
+    edges = bucket if isinstance(bucket, tuple) else (bucket,)
+    for edge in edges:
+        _positive_int(f"batch_caps key {key!r}", edge)
+    return bucket
 
 
 def _edges(name: str, value: Any) -> tuple[int, ...]:

@@ -8,15 +8,15 @@ written against the same public API (handlers/api.py) as a team's own model.
 """
 from __future__ import annotations
 
-from handlers.api import Model
-from handlers.config import HandlerConfig
-from handlers.tsbatch_handler import TsbatchHandler
+from tsbatch.handlers.api import Model
+from tsbatch.handlers.config import HandlerConfig
+from tsbatch.handlers.tsbatch_handler import TsbatchHandler
 
 
 class EncoderHandler(TsbatchHandler):
     """Serves one encoder model; configured by the `handler:` section of model-config.yaml."""
 
     def load_model(self, model_path: str, config: HandlerConfig, gpu_id: int | None) -> Model:
-        from handlers.runner import EncoderModel  # torch stays at the edge, loaded only here
+        from tsbatch.handlers.runner import EncoderModel  # torch stays at the edge, loaded only here
 
         return EncoderModel(config, model_path, gpu_id)

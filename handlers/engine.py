@@ -19,9 +19,10 @@ import threading
 import time
 from typing import Callable, Sequence
 
-from handlers.errors import DeadlineExceeded, ModelFailed, ServingError
-from handlers.isolate import Isolator
-from handlers.scheduler import Answer, Scheduler, Ticket
+from tsbatch.handlers.buckets import Bucket, bucket_tokens
+from tsbatch.handlers.errors import DeadlineExceeded, ModelFailed, ServingError
+from tsbatch.handlers.isolate import Isolator
+from tsbatch.handlers.scheduler import Answer, Scheduler, Ticket
 
 logger = logging.getLogger(__name__)
 
@@ -32,12 +33,13 @@ def missed_deadline() -> DeadlineExceeded:
                             "raise X-Deadline-Ms or retry")
 
 
-def split_lanes(edges: Sequence[int], long_lane_from: int | None) -> list[tuple[int, ...]]:
-    """One lane for all buckets, or two: edges below `long_lane_from` and the rest."""
+def split_lanes(edges: Sequence[Bucket], long_lane_from: int | None) -> list[tuple[Bucket, ...]]:
+    """One lane for all buckets, or two: buckets whose row costs fewer than `long_lane_from`
+    tokens (handlers/buckets.bucket_tokens) and the rest."""
     if long_lane_from is None:
         return [tuple(edges)]
-    short = tuple(e for e in edges if e < long_lane_from)
-    long = tuple(e for e in edges if e >= long_lane_from)
+    short = tuple(e for e in edges if bucket_tokens(e) < long_lane_from)
+    long = tuple(e for e in edges if bucket_tokens(e) >= long_lane_from)
     return [lane for lane in (short, long) if lane]
 
 

@@ -16,8 +16,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from handlers.buckets import Batch, Item
-from handlers.errors import ModelFailed, ModelUnavailable, OutOfMemory, ServingError
+from tsbatch.handlers.buckets import Batch, Bucket, Item, bucket_label
+from tsbatch.handlers.errors import ModelFailed, ModelUnavailable, OutOfMemory, ServingError
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ def describe(error: BaseException) -> str:
 class IsolationReport:
     """What executing one planned batch cost: passes run, requests failed, splits made."""
 
-    bucket: int
+    bucket: Bucket
     size: int
     passes: int = 0
     isolation_passes: int = 0  # passes spent bisecting (out-of-memory halving is not counted)
@@ -64,17 +64,17 @@ class OomCaps:
     # called with (bucket, new cap) whenever a cap shrinks: the handler keeps caps across restarts
     on_learn: Callable[[int, int], None] | None = field(default=None, repr=False)
 
-    def cap(self, bucket: int, default: int) -> int:
+    def cap(self, bucket: Bucket, default: int) -> int:
         return min(default, self.caps.get(bucket, default))
 
-    def learn(self, bucket: int, failed_size: int, largest_ok: int) -> None:
+    def learn(self, bucket: Bucket, failed_size: int, largest_ok: int) -> None:
         new_cap = max(1, min(largest_ok, failed_size - 1))
         if new_cap < self.caps.get(bucket, failed_size):
             self.caps[bucket] = new_cap
             logger.warning(
-                "bucket %d: out of memory at batch size %d; batches of this bucket are capped at %d "
+                "bucket %s: out of memory at batch size %d; batches of this bucket are capped at %d "
                 "from now on (kept for this model's workers)",
-                bucket, failed_size, new_cap,
+                bucket_label(bucket), failed_size, new_cap,
             )
             if self.on_learn is not None:
                 self.on_learn(bucket, new_cap)
@@ -124,7 +124,7 @@ class Isolator:
             state.oom_failed_sizes.append(len(items))
             if len(items) == 1:
                 state.fail(items[0], OutOfMemory(
-                    f"input of {items[0].tokens} tokens does not fit in memory even alone "
+                    f"input of {items[0].length} tokens does not fit in memory even alone "
                     f"({describe(error)}): send a shorter text"
                 ))
                 return
@@ -169,9 +169,9 @@ class _State:
     def give_up(self, items: list[Item]) -> None:
         if not self.report.gave_up:
             logger.error(
-                "bucket %d: isolation budget of %d passes spent on a batch of %d; "
+                "bucket %s: isolation budget of %d passes spent on a batch of %d; "
                 "failing the rest fast: the model itself looks broken",
-                self.bucket, self.report.isolation_passes, self.report.size,
+                bucket_label(self.bucket), self.report.isolation_passes, self.report.size,
             )
         self.report.gave_up = True
         for item in items:

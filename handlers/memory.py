@@ -19,6 +19,8 @@ import logging
 import os
 from typing import Any
 
+from tsbatch.handlers.buckets import bucket_label, bucket_order, parse_bucket
+
 logger = logging.getLogger(__name__)
 
 OOM_CAPS_FILE = "oom_caps.json"
@@ -29,7 +31,7 @@ def load_caps(path: str) -> dict[int, int]:
     try:
         with open(path) as f:
             data = json.load(f)
-        return {int(bucket): int(cap) for bucket, cap in data.get("caps", {}).items() if int(cap) >= 0}
+        return {parse_bucket(bucket): int(cap) for bucket, cap in data.get("caps", {}).items() if int(cap) >= 0}
     except (OSError, ValueError, AttributeError, TypeError):
         return {}
 
@@ -42,7 +44,7 @@ def keep_caps(path: str, learned: dict[int, int], reason: str) -> dict[int, int]
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
         with open(tmp, "w") as f:
-            json.dump({"caps": {str(b): c for b, c in sorted(caps.items())},
+            json.dump({"caps": {bucket_label(b): c for b, c in sorted(caps.items(), key=lambda kv: bucket_order(kv[0]))},
                        "why": f"out of memory ({reason}); 0 means not even one request of the bucket fits"}, f)
         os.replace(tmp, path)
     except OSError as error:  # a read-only model directory: the caps still hold in this worker

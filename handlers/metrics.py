@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from tsbatch.handlers.buckets import Bucket, bucket_label, bucket_tokens
+
 logger = logging.getLogger(__name__)
 
 COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
@@ -76,7 +78,8 @@ class Metrics:
             from ts.metrics.metric_type_enum import MetricTypes
 
             dims = [Dimension("ModelName", self.model_name), Dimension("Level", "Model")]
-            dims += [Dimension(label, str(labels[label])) for label in spec.labels]
+            dims += [Dimension(label, bucket_label(labels[label]) if label == "bucket" else str(labels[label]))
+                     for label in spec.labels]
             kind = {COUNTER: MetricTypes.COUNTER, GAUGE: MetricTypes.GAUGE, HISTOGRAM: MetricTypes.HISTOGRAM}[spec.kind]
             with self._lock:
                 self.store.add_metric(name, value, spec.unit, None, dims, kind)
@@ -86,8 +89,8 @@ class Metrics:
                 logger.warning("tsbatch metric %s could not be emitted: %s", name, error)
 
     # -- what happened, in the words the README and dashboard use
-    def batch(self, bucket: int, size: int, real_tokens: int, report: Any) -> None:
-        padded = bucket * size
+    def batch(self, bucket: Bucket, size: int, real_tokens: int, report: Any) -> None:
+        padded = bucket_tokens(bucket) * size
         self.emit("tsbatch_batch_size", size, bucket=bucket)
         self.emit("tsbatch_real_tokens_total", real_tokens, bucket=bucket)
         self.emit("tsbatch_padded_tokens_total", padded, bucket=bucket)
@@ -101,19 +104,19 @@ class Metrics:
                 self.emit("tsbatch_oom_splits_total", report.oom_splits, bucket=bucket)
         self.sample_gpu()
 
-    def forward(self, bucket: int, seconds: float) -> None:
+    def forward(self, bucket: Bucket, seconds: float) -> None:
         self.emit("tsbatch_forward_seconds", round(seconds, 6), bucket=bucket)
 
-    def cap(self, bucket: int, cap: int) -> None:
+    def cap(self, bucket: Bucket, cap: int) -> None:
         self.emit("tsbatch_batch_cap", cap, bucket=bucket)
 
-    def queue_wait(self, bucket: int, priority: str, seconds: float) -> None:
+    def queue_wait(self, bucket: Bucket, priority: str, seconds: float) -> None:
         self.emit("tsbatch_queue_wait_seconds", round(max(0.0, seconds), 6), bucket=bucket, priority=priority)
 
     def rejected(self, reason: str) -> None:
         self.emit("tsbatch_rejected_total", 1, reason=reason)
 
-    def deadline_missed(self, bucket: int) -> None:
+    def deadline_missed(self, bucket: Bucket) -> None:
         self.emit("tsbatch_deadline_missed_total", 1, bucket=bucket)
 
     def handler_call(self) -> None:

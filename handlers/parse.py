@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any, Mapping
 
-from handlers.errors import BadInput
+from tsbatch.handlers.errors import BadInput
 
 EXAMPLE = 'send a text/plain UTF-8 body, or JSON {"text": "..."}'
 

@@ -22,12 +22,12 @@ from transformers import (
     AutoTokenizer,
 )
 
-from handlers.api import Model, Request
-from handlers.buckets import Batch
-from handlers.config import HandlerConfig, Task
-from handlers.entities import group_entities
-from handlers.errors import ConfigError, InputTooLong
-from handlers.isolate import is_out_of_memory
+from tsbatch.handlers.api import Model, Request
+from tsbatch.handlers.buckets import Batch
+from tsbatch.handlers.config import HandlerConfig, Task
+from tsbatch.handlers.entities import group_entities
+from tsbatch.handlers.errors import ConfigError, InputTooLong
+from tsbatch.handlers.isolate import is_out_of_memory
 
 logger = logging.getLogger(__name__)
 
@@ -209,7 +209,7 @@ class EncoderModel(Model):
     # -- forward: one planned batch -> one result per item, in the batch's order
     @torch.inference_mode()
     def forward(self, batch: Batch) -> list[dict[str, Any]]:
-        inputs = self._collate([item.encoding for item in batch.items], batch.bucket)
+        inputs = self._collate([item.input for item in batch.items], batch.bucket)
         try:
             outputs = self.model(**inputs)
         except Exception as error:
@@ -237,7 +237,7 @@ class EncoderModel(Model):
         pooled = summed / weights.sum(dim=1).clamp(min=1e-9)
         vectors = torch.nn.functional.normalize(pooled, p=2, dim=1).float().cpu().tolist()
         return [
-            {"embedding": vec, "tokens": item.tokens} for vec, item in zip(vectors, batch.items)
+            {"embedding": vec, "tokens": item.length} for vec, item in zip(vectors, batch.items)
         ]
 
     def _label(self, index: int) -> str:
@@ -262,12 +262,12 @@ class EncoderModel(Model):
         results = []
         for row, item in zip(probs, batch.items):
             tokens = []
-            for pos, (start, end) in enumerate(item.encoding.offsets or []):
+            for pos, (start, end) in enumerate(item.input.offsets or []):
                 if start == end:  # special or padding token
                     continue
                 best = int(row[pos].argmax())
                 tokens.append((self._label(best), float(row[pos][best]), start, end))
-            results.append({"entities": group_entities(tokens, item.encoding.text)})
+            results.append({"entities": group_entities(tokens, item.input.text)})
         return results
 
 

@@ -17,8 +17,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Protocol, Sequence
 
-from handlers.buckets import Batch, Item, next_batch_size
-from handlers.errors import BadInput, Overloaded, ServingError
+from tsbatch.handlers.buckets import Batch, Bucket, Item, bucket_order, next_batch_size
+from tsbatch.handlers.errors import BadInput, Overloaded, ServingError
 
 
 class Priority(enum.IntEnum):
@@ -44,7 +44,7 @@ class Answer:
 
     outcome: Any  # a result (dict or list) or a ServingError
     batch_size: int = 1
-    bucket: int = 0
+    bucket: Bucket = 0
 
     @property
     def failed(self) -> bool:
@@ -88,7 +88,7 @@ class SchedulerPolicy:
     priority_aging: float  # seconds of waiting that raise a request by one priority class
     max_wait_per_bucket: dict[int, float] = field(default_factory=dict)
 
-    def wait_for(self, bucket: int) -> float:
+    def wait_for(self, bucket: Bucket) -> float:
         return self.max_wait_per_bucket.get(bucket, self.max_wait)
 
 
@@ -123,7 +123,7 @@ class Scheduler:
             self.queues[bucket] = keep
         return expired
 
-    def ready(self, bucket: int, now: float) -> bool:
+    def ready(self, bucket: Bucket, now: float) -> bool:
         queue = self.queues[bucket]
         if not queue:
             return False
@@ -145,13 +145,13 @@ class Scheduler:
         self.queues[bucket] = [t for t in self.queues[bucket] if t not in chosen]
         return Batch(bucket, tuple(t.item for t in chosen)), chosen
 
-    def _rank(self, bucket: int, now: float) -> tuple:
+    def _rank(self, bucket: Bucket, now: float) -> tuple:
         queue = self.queues[bucket]
         oldest = min(t.arrived for t in queue)
         starving = now - oldest >= self.policy.age_bound
         best = min(t.effective_priority(now, self.policy.priority_aging) for t in queue)
         # starving buckets first (oldest first), then by priority class, then shortest bucket
-        return (0, oldest, 0.0, 0) if starving else (1, 0.0, best, bucket)
+        return (0, oldest, 0.0, ()) if starving else (1, 0.0, best, bucket_order(bucket))
 
     def time_until_ready(self, now: float, buckets: Sequence[int] | None = None,
                          lead: Callable[[int], float] | None = None) -> float | None:

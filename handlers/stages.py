@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Collection, Sequence
 
-from handlers.api import Request
-from handlers.buckets import Item, bucket_for
-from handlers.errors import BadInput, InputTooLong, ModelFailed, OutOfMemory, Overloaded, ServingError
-from handlers.parse import row_value
-from handlers.scheduler import Answer
+from tsbatch.handlers.api import Request
+from tsbatch.handlers.buckets import Item, bucket_for, bucket_label, is_length, longest, sizes
+from tsbatch.handlers.errors import BadInput, InputTooLong, ModelFailed, OutOfMemory, Overloaded, ServingError
+from tsbatch.handlers.parse import row_value
+from tsbatch.handlers.scheduler import Answer
 
 logger = logging.getLogger(__name__)
 
@@ -73,17 +73,21 @@ def prepare(model, edges: Sequence[int], unfit: Collection[int], data: list, con
         except Exception as error:  # noqa: BLE001 - e.g. lone surrogates a tokenizer rejects
             call.fail(index, BadInput(f"the model cannot take this request ({type(error).__name__}: {error})"))
             continue
-        if not isinstance(length, int) or isinstance(length, bool) or length < 0:
+        if isinstance(length, list):
+            length = tuple(length)
+        if not is_length(length, edges):
             call.fail(index, ModelFailed(f"the model's prepare() returned length {length!r}: it must be a whole "
-                                         "number >= 0"))
+                                         f"number >= 0, or one per size for a model with several"))
             continue
-        if length > edges[-1]:
-            call.fail(index, InputTooLong(f"input is {length} long, the model takes at most {edges[-1]}"))
+        largest = longest(edges)
+        if any(size > most for size, most in zip(sizes(length), sizes(largest))):
+            call.fail(index, InputTooLong(f"input is {bucket_label(length)} long, the model takes at most "
+                                          f"{bucket_label(largest)}"))
             continue
         bucket = bucket_for(length, edges)
         if bucket in unfit:
             call.fail(index, OutOfMemory(
-                f"inputs of up to {bucket} tokens (this request has {length}) do not fit in this worker's "
+                f"inputs of up to {bucket_label(bucket)} tokens (this request has {bucket_label(length)}) do not fit in this worker's "
                 f"memory even one at a time (learned from out of memory): send a shorter input"))
             continue
         items.append(Item(index, "", length, bucket, prepared))
@@ -110,7 +114,7 @@ def answer(call: Call, context) -> list[str]:
         context.set_response_content_type(index, JSON)
         context.set_response_header(index, BATCH_SIZE_HEADER, str(answered.batch_size))
         if answered.bucket:
-            context.set_response_header(index, PADDED_HEADER, str(answered.bucket))
+            context.set_response_header(index, PADDED_HEADER, bucket_label(answered.bucket))
         context.set_response_header(index, WORKER_HEADER, str(os.getpid()))
         if isinstance(outcome, ServingError):
             context.set_response_status(outcome.status, HTTPStatus(outcome.status).phrase, idx=index)

@@ -14,15 +14,16 @@ import os
 import time
 from dataclasses import replace
 
-from handlers.api import Model, device_type
-from handlers.config import HandlerConfig
-from handlers.engine import split_lanes
-from handlers.isolate import Isolator, OomCaps
-from handlers.memory import OOM_CAPS_FILE, apply_budget, keep_caps, load_caps
-from handlers.metrics import Metrics
-from handlers.modes import make_mode, serving_mode
-from handlers.siblings import Siblings, fit_threads, usable_cores
-from handlers.worker import Worker
+from tsbatch.handlers.api import Model, device_type
+from tsbatch.handlers.buckets import Bucket
+from tsbatch.handlers.config import HandlerConfig
+from tsbatch.handlers.engine import split_lanes
+from tsbatch.handlers.isolate import Isolator, OomCaps
+from tsbatch.handlers.memory import OOM_CAPS_FILE, apply_budget, keep_caps, load_caps
+from tsbatch.handlers.metrics import Metrics
+from tsbatch.handlers.modes import make_mode, serving_mode
+from tsbatch.handlers.siblings import Siblings, fit_threads, usable_cores
+from tsbatch.handlers.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ class TsbatchHandler:
         mode = serving_mode(yaml_config)
         lanes = self._lanes() if mode != "default" else None
         if config.warmup:
-            from handlers.warming import warm_up
+            from tsbatch.handlers.warming import warm_up
 
             w.profile = warm_up(model, config, [e for e in w.edges if e not in w.unfit], w.batch_sizes, lanes,
                                 context.model_name, model_dir, yaml_config.get("startupTimeout", 120), self._free_memory,
@@ -110,7 +111,7 @@ class TsbatchHandler:
         return self.worker.model
 
     @property
-    def edges(self) -> tuple[int, ...]:
+    def edges(self) -> tuple[Bucket, ...]:
         return self.worker.edges
 
     @property
@@ -125,7 +126,7 @@ class TsbatchHandler:
     def siblings(self) -> Siblings:
         return self.worker.siblings
 
-    def cap_for(self, bucket: int) -> int:
+    def cap_for(self, bucket: Bucket) -> int:
         return self.worker.cap_for(bucket)
 
     # -- the worker's edges: lanes, timing, memory
@@ -153,7 +154,7 @@ class TsbatchHandler:
             fault.check(batch)
         return self.worker.model.forward(batch)
 
-    def _learned(self, bucket: int, cap: int) -> None:
+    def _learned(self, bucket: Bucket, cap: int) -> None:
         """A cap learned while serving: keep it for this model's workers (a restarted one too)."""
         keep_caps(self.caps_file, {bucket: cap}, "learned while serving")
         self.worker.metrics.cap(bucket, cap)
@@ -213,6 +214,6 @@ def _apply_memory_budget(config: HandlerConfig, model: Model) -> None:
 def _gpu_sampler(model: Model):
     if device_type(model) != "cuda":
         return None
-    from handlers.metrics import nvml_sampler
+    from tsbatch.handlers.metrics import nvml_sampler
 
     return nvml_sampler([_device_index(model)])

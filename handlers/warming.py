@@ -10,11 +10,11 @@ import logging
 import os
 from typing import Callable
 
-from handlers.buckets import Batch, Item
-from handlers.isolate import describe, is_out_of_memory
-from warmup.plan import Shape, WarmupPlan, plan_shapes
-from warmup.profile import PROFILE_FILE, LatencyProfile
-from warmup.run import estimate, run_plan
+from tsbatch.handlers.buckets import Batch, Item, bucket_label
+from tsbatch.handlers.isolate import describe, is_out_of_memory
+from tsbatch.warmup.plan import Shape, WarmupPlan, plan_shapes
+from tsbatch.warmup.profile import PROFILE_FILE, LatencyProfile
+from tsbatch.warmup.run import estimate, run_plan
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ def warm_up(model, config, edges, sizes_for: Callable[[int], tuple[int, ...]], l
         logger.info("tsbatch warmup: %d shapes, estimated %.1fs (startupTimeout %ss)",
                     len(plan.shapes), seconds, startup_timeout, extra={"tsbatch_warmup": event})
     environment = {**model.describe(), "lanes": [list(lane) for lane, _ in (lanes or [])],
-                   "threads_per_bucket": threads_for or default_threads}
+                   "threads_per_bucket": {bucket_label(b): t for b, t in threads_for.items()} or default_threads}
     profile = LatencyProfile(model=model_name, environment=environment)
     run_plan(plan, run_shape, profile, is_oom=is_out_of_memory, describe=describe, on_oom=on_oom)
     if profile.shapes:  # warmup ends on its largest shapes; the likeliest first request is the smallest

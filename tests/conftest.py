@@ -43,7 +43,7 @@ def no_lane_outlives_its_module():
     import gc
     import threading
 
-    module = sys.modules.get("handlers.tsbatch_handler")
+    module = sys.modules.get("tsbatch.handlers.tsbatch_handler")
     if module is None:
         return
     for obj in gc.get_objects():

@@ -19,6 +19,18 @@ TINY_LABELS = {
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "tokenizer_config.json", "special_tokens_map.json")
 
 
+def example_maker(folder: str):
+    """An example's make_model.make, loaded from its file under a name of its own (every example
+    has a make_model.py; importing them by that one name would hand the second test the first's)."""
+    import importlib.util
+
+    path = os.path.join(folder, "make_model.py")
+    spec = importlib.util.spec_from_file_location(f"{os.path.basename(folder)}_make_model", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.make
+
+
 class FakeClock:
     """A clock for pure code under test: one millisecond passes each time it is read."""
 
@@ -46,7 +58,7 @@ def load_handler(model_dir: str, frontend: dict | None = None, archive_dir: str 
     """An EncoderHandler initialized on a TorchServe-shaped context; warmup off unless asked
     (warmup has its own tests and would slow the rest). `archive_dir` plays TorchServe's extracted
     archive, which every worker of one model shares: a fresh one per handler unless given."""
-    from handlers.encoder_handler import EncoderHandler
+    from tsbatch.handlers.encoder_handler import EncoderHandler
 
     handler = {"task": "embedding", "model_dir": model_dir, "warmup": False, **handler}
     context = make_context(archive_dir or tempfile.mkdtemp(prefix="tsbatch-archive-"), handler, frontend=frontend)

@@ -8,20 +8,42 @@ Pure: no torch, no clock, and nothing from handlers/: the handler passes its bat
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence, Union
+
+Bucket = Union[int, tuple[int, ...]]  # an edge, or one edge per size (handlers/buckets.py)
+
+
+def bucket_tokens(bucket: Bucket) -> int:
+    """What one row of a bucket (or one length) costs in the token budget: its edge, or the sum
+    of its edges (a prompt padded to P that grows by N new tokens holds P + N)."""
+    return sum(bucket) if isinstance(bucket, tuple) else bucket
+
+
+def bucket_label(bucket: Bucket) -> str:
+    """How a bucket is written in metrics, headers, model-config.yaml and the profile: "32", "32x16"."""
+    return "x".join(str(edge) for edge in bucket) if isinstance(bucket, tuple) else str(bucket)
+
+
+def parse_bucket(label: Any) -> Bucket:
+    """The bucket a label (or a profile's JSON list) names; inverse of bucket_label."""
+    if isinstance(label, (list, tuple)):
+        return tuple(int(edge) for edge in label)
+    if isinstance(label, str) and "x" in label:
+        return tuple(int(edge) for edge in label.split("x"))
+    return int(label)
 
 
 @dataclass(frozen=True)
 class Shape:
     batch: int
-    bucket: int
+    bucket: Bucket
 
     @property
     def tokens(self) -> int:
-        return self.batch * self.bucket
+        return self.batch * bucket_tokens(self.bucket)
 
 
-def plan_shapes(edges: Sequence[int], sizes_for: Callable[[int], Iterable[int]]) -> list[Shape]:
+def plan_shapes(edges: Sequence[Bucket], sizes_for: Callable[[Bucket], Iterable[int]]) -> list[Shape]:
     """Every shape the handler can form (`sizes_for(bucket)`: its batch sizes there), shortest
     bucket first, small batches first."""
     return [Shape(size, edge) for edge in edges for size in sorted(sizes_for(edge))]

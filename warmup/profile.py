@@ -11,6 +11,8 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
+from tsbatch.warmup.plan import Bucket, bucket_label, parse_bucket
+
 PROFILE_FILE = "latency_profile.json"
 
 
@@ -27,7 +29,7 @@ def percentile(values: Sequence[float], q: float) -> float | None:
 @dataclass
 class ShapeTiming:
     batch: int
-    bucket: int
+    bucket: Bucket
     median_ms: float
     p90_ms: float
     runs: int
@@ -42,29 +44,31 @@ class LatencyProfile:
     shapes: list[ShapeTiming] = field(default_factory=list)
     warmup_seconds: float = 0.0
     # bucket -> largest batch that fit when warmup ran out of memory there (0: not even one request)
-    oom_caps: dict[int, int] = field(default_factory=dict)
+    oom_caps: dict[Bucket, int] = field(default_factory=dict)
 
-    def add(self, batch: int, bucket: int, first_ms: float, timings_ms: list[float]) -> ShapeTiming:
+    def add(self, batch: int, bucket: Bucket, first_ms: float, timings_ms: list[float]) -> ShapeTiming:
         timing = ShapeTiming(batch, bucket, round(statistics.median(timings_ms), 3),
                              round(percentile(timings_ms, 90), 3), len(timings_ms), round(first_ms, 3),
                              round(first_ms + sum(timings_ms), 3))
         self.shapes.append(timing)
         return timing
 
-    def lookup(self, batch: int, bucket: int) -> ShapeTiming | None:
+    def lookup(self, batch: int, bucket: Bucket) -> ShapeTiming | None:
         for timing in self.shapes:
             if timing.batch == batch and timing.bucket == bucket:
                 return timing
         return None
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1)
+        data = asdict(self)
+        data["oom_caps"] = {bucket_label(bucket): cap for bucket, cap in self.oom_caps.items()}
+        return json.dumps(data, indent=1)
 
     @classmethod
     def from_json(cls, text: str) -> "LatencyProfile":
         data = json.loads(text)
-        shapes = [ShapeTiming(**s) for s in data.pop("shapes", [])]
-        oom_caps = {int(bucket): int(cap) for bucket, cap in (data.pop("oom_caps", None) or {}).items()}
+        shapes = [ShapeTiming(**{**s, "bucket": parse_bucket(s["bucket"])}) for s in data.pop("shapes", [])]
+        oom_caps = {parse_bucket(bucket): int(cap) for bucket, cap in (data.pop("oom_caps", None) or {}).items()}
         return cls(shapes=shapes, oom_caps=oom_caps, **data)
 
     @classmethod

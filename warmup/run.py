@@ -11,15 +11,15 @@ import logging
 import time
 from typing import Callable
 
-from warmup.plan import Shape, WarmupPlan, stable
-from warmup.profile import LatencyProfile, ShapeTiming
+from tsbatch.warmup.plan import Shape, WarmupPlan, bucket_label, bucket_tokens, stable
+from tsbatch.warmup.profile import LatencyProfile, ShapeTiming
 
 logger = logging.getLogger(__name__)
 
 
 def estimate(plan: WarmupPlan, run_shape: Callable[[Shape], None], clock=time.perf_counter) -> float:
     """Seconds the plan will take, from the warm cost per token of its largest single-request shape."""
-    probe = max((s for s in plan.shapes if s.batch == 1), key=lambda s: s.bucket, default=plan.shapes[-1])
+    probe = max((s for s in plan.shapes if s.batch == 1), key=lambda s: bucket_tokens(s.bucket), default=plan.shapes[-1])
     run_shape(probe)
     started = clock()
     run_shape(probe)
@@ -47,15 +47,15 @@ def run_plan(plan: WarmupPlan, run_shape: Callable[[Shape], None], profile: Late
                 raise
             fitted = max((t.batch for t in profile.shapes if t.bucket == shape.bucket), default=0)
             profile.oom_caps[shape.bucket] = fitted
-            logger.warning("tsbatch warmup: out of memory at batch %d x %d tokens (%s): bucket %d is capped at "
-                           "%d%s", shape.batch, shape.bucket, describe(error), shape.bucket, fitted,
+            logger.warning("tsbatch warmup: out of memory at batch %d x %s tokens (%s): bucket %s is capped at "
+                           "%d%s", shape.batch, bucket_label(shape.bucket), describe(error), bucket_label(shape.bucket), fitted,
                            "" if fitted else ": its requests will get 507")
             on_oom(shape, error)
             continue
-        event = {"event": "shape", "number": number, "of": total, "batch": shape.batch, "bucket": shape.bucket,
+        event = {"event": "shape", "number": number, "of": total, "batch": shape.batch, "bucket": bucket_label(shape.bucket),
                  "first_ms": round(first_ms, 1), "median_ms": timing.median_ms, "runs": timing.runs}
-        logger.info("tsbatch warmup shape %d of %d: batch %d x %d tokens: first %.1f ms, median %.1f ms (%d runs)",
-                    number, total, shape.batch, shape.bucket, first_ms, timing.median_ms, timing.runs,
+        logger.info("tsbatch warmup shape %d of %d: batch %d x %s tokens: first %.1f ms, median %.1f ms (%d runs)",
+                    number, total, shape.batch, bucket_label(shape.bucket), first_ms, timing.median_ms, timing.runs,
                     extra={"tsbatch_warmup": event})
     profile.warmup_seconds = round(clock() - began, 3)
     return profile

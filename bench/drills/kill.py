@@ -8,11 +8,11 @@ import signal
 import time
 from typing import Any, Sequence
 
-from archiver import server
+from tsbatch.archiver import server
 from bench.loadtest.load import Load
 from bench.loadtest.stats import by_status
 from bench.loadtest.torchserve import read_text, wait_busy, wait_until, warmups
-from handlers.stages import WORKER_HEADER
+from tsbatch.handlers.stages import WORKER_HEADER
 
 CRASH_LOOP = "Received more than 1 control command"
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING, Iterable
 
-from warmup.profile import percentile  # noqa: F401 - the project's one percentile (pure, no torch)
+from tsbatch.warmup.profile import percentile  # noqa: F401 - the project's one percentile (pure, no torch)
 
 if TYPE_CHECKING:
     from bench.loadtest.load import RunResult

@@ -13,7 +13,7 @@ import urllib.error
 import urllib.request
 from typing import Any, Callable, Iterable
 
-from archiver import server
+from tsbatch.archiver import server
 from bench.loadtest.proc import alive, cpu_seconds, pids_with
 
 WARMUP_DONE = re.compile(r"tsbatch warmup done in ([\d.]+)s by worker pid (\d+)")

@@ -14,7 +14,7 @@ import os
 import torch
 from safetensors.torch import load_file
 
-from handlers.api import BadInput, Batch, Model, Request
+from tsbatch.handlers.api import BadInput, Batch, Model, Request
 
 
 class ConvNet(torch.nn.Module):
@@ -63,11 +63,11 @@ class ConvModel(Model):
         signal = torch.zeros(batch.size, batch.bucket)
         mask = torch.zeros(batch.size, batch.bucket)
         for row, item in enumerate(batch.items):
-            signal[row, : item.tokens] = torch.tensor(item.encoding)
-            mask[row, : item.tokens] = 1.0
+            signal[row, : item.length] = torch.tensor(item.input)
+            mask[row, : item.length] = 1.0
         scores = torch.softmax(self.net(signal.to(self.device), mask.to(self.device)), dim=-1).cpu().tolist()
         return [{"label": self.labels[max(range(len(s)), key=s.__getitem__)],
-                 "scores": dict(zip(self.labels, s)), "length": item.tokens}
+                 "scores": dict(zip(self.labels, s)), "length": item.length}
                 for s, item in zip(scores, batch.items)]
 
     def example(self, length: int) -> list[float]:

@@ -10,7 +10,6 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def make(out: str, max_length: int = 512, channels: int = 16, seed: int = 0) -> str:

@@ -7,7 +7,7 @@ The two scheduler modes share tsbatch's scheduler and lanes: handlers/modes/sche
 """
 from __future__ import annotations
 
-from handlers.errors import ConfigError
+from tsbatch.handlers.errors import ConfigError
 
 
 def serving_mode(yaml_config: dict) -> str:
@@ -25,13 +25,13 @@ def serving_mode(yaml_config: dict) -> str:
 def make_mode(name: str, worker, lanes):
     """The mode object for `name` (lanes: [(buckets, threads)] for the scheduler modes)."""
     if name == "default":
-        from handlers.modes.default_mode import DefaultMode
+        from tsbatch.handlers.modes.default_mode import DefaultMode
 
         return DefaultMode(worker)
     if name == "continuous":
-        from handlers.modes.continuous_mode import ContinuousMode
+        from tsbatch.handlers.modes.continuous_mode import ContinuousMode
 
         return ContinuousMode(worker, lanes)
-    from handlers.modes.async_mode import AsyncMode
+    from tsbatch.handlers.modes.async_mode import AsyncMode
 
     return AsyncMode(worker, lanes)

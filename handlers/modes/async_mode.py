@@ -7,9 +7,9 @@ from __future__ import annotations
 import asyncio
 import time
 
-from handlers.modes.scheduled import ScheduledMode
-from handlers.scheduler import Answer, Ticket
-from handlers.stages import Call, answer, prepare
+from tsbatch.handlers.modes.scheduled import ScheduledMode
+from tsbatch.handlers.scheduler import Answer, Ticket
+from tsbatch.handlers.stages import Call, answer, prepare
 
 
 class _Future:

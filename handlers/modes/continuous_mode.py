@@ -16,12 +16,12 @@ from __future__ import annotations
 import threading
 import time
 
-from handlers.buckets import Item
-from handlers.errors import Overloaded
-from handlers.engine import missed_deadline
-from handlers.modes.scheduled import ScheduledMode
-from handlers.scheduler import Answer, Ticket, within_budget
-from handlers.stages import Call, answer, prepare
+from tsbatch.handlers.buckets import Item
+from tsbatch.handlers.errors import Overloaded
+from tsbatch.handlers.engine import missed_deadline
+from tsbatch.handlers.modes.scheduled import ScheduledMode
+from tsbatch.handlers.scheduler import Answer, Ticket, within_budget
+from tsbatch.handlers.stages import Call, answer, prepare
 
 
 class ContinuousMode(ScheduledMode):

@@ -2,9 +2,9 @@
 bucket first, each planned batch run with isolation; every request is answered in the call."""
 from __future__ import annotations
 
-from handlers.buckets import plan_batches
-from handlers.scheduler import Answer
-from handlers.stages import Call, answer, prepare
+from tsbatch.handlers.buckets import plan_batches
+from tsbatch.handlers.scheduler import Answer
+from tsbatch.handlers.stages import Call, answer, prepare
 
 
 class DefaultMode:

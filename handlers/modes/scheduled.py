@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import logging
 
-from handlers import socket_guard
-from handlers.buckets import Item
-from handlers.engine import Engine
-from handlers.errors import BadInput, DeadlineExceeded, Overloaded, ServingError
-from handlers.scheduler import Answer, Priority, Scheduler, SchedulerPolicy, Ticket, Waiter
-from handlers.stages import DEADLINE_HEADER, PRIORITY_HEADER, Call, request_headers
+from tsbatch.handlers import socket_guard
+from tsbatch.handlers.buckets import Item
+from tsbatch.handlers.engine import Engine
+from tsbatch.handlers.errors import BadInput, DeadlineExceeded, Overloaded, ServingError
+from tsbatch.handlers.scheduler import Answer, Priority, Scheduler, SchedulerPolicy, Ticket, Waiter
+from tsbatch.handlers.stages import DEADLINE_HEADER, PRIORITY_HEADER, Call, request_headers
 
 logger = logging.getLogger(__name__)
 

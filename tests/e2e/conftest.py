@@ -4,16 +4,18 @@ One server per test session serves the test models; it is always stopped, even w
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
 
-from archiver import server
-from archiver.package import ArchiveSpec, build_archive
-from archiver.properties import model_config
-from archiver.tune import frontend_keys
+from tsbatch.archiver import server
+from tsbatch.archiver.package import ArchiveSpec, build_archive
+from tsbatch.archiver.properties import model_config
+from tsbatch.archiver.tune import frontend_keys
 
 # A long delay makes concurrent requests meet in one frontend batch; a full batch leaves at once.
 TEST_FRONTEND = {"batchSize": 8, "maxBatchDelay": 500, "minWorkers": 1, "maxWorkers": 2, **frontend_keys("default")}
@@ -53,8 +55,73 @@ NAME = "minilm"
 
 
 def tsbatch(*args: str) -> None:
-    subprocess.run([sys.executable, "-m", "archiver", *args], check=True, cwd=REPO, timeout=900,
+    subprocess.run([sys.executable, "-m", "tsbatch.archiver", *args], check=True, cwd=REPO, timeout=900,
                    stdout=subprocess.DEVNULL)
+
+
+@pytest.fixture(scope="session")
+def wheel_venv(tmp_path_factory) -> str:
+    """tsbatch as a team installs it: the wheel `pip wheel` builds from this checkout, installed
+    (not editable) into a fresh venv. Its dependencies come from the test venv through a .pth
+    file (a copy of torch and TorchServe would take minutes; CI installs them for real,
+    .ci/run), and its own `torchserve` script runs the workers on the venv's Python."""
+    root = tmp_path_factory.mktemp("wheel")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                    str(root / "dist"), REPO], check=True, timeout=300, capture_output=True)
+    [wheel] = [str(p) for p in (root / "dist").iterdir() if p.name.endswith(".whl")]
+    venv = str(root / "venv")
+    subprocess.run([_base_python(), "-m", "venv", venv], check=True, timeout=300)
+    python = os.path.join(venv, "bin", "python")
+    subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", wheel], check=True, timeout=300)
+    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    deps = subprocess.run([sys.executable, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    with open(os.path.join(site, "_tsbatch_test_deps.pth"), "w") as f:
+        f.write(deps + "\n")
+    script = os.path.join(venv, "bin", "torchserve")
+    with open(script, "w") as f:
+        f.write(f"#!{python}\nfrom ts.model_server import start\nstart()\n")
+    os.chmod(script, 0o755)
+    return venv
+
+
+@contextlib.contextmanager
+def serve_example(root, venv: str, example: str, name: str, make_args: list[str], archive_args: list[str],
+                  handler_yaml: str):
+    """An example as a team runs it: the folder copied to the team's own place (root/team), its
+    model made there, archived by the venv's `tsbatch archive` with handler.yaml (profiled and
+    tuned here), served by the venv's torchserve on free ports, READY; always stopped."""
+    team = root / "team"
+    shutil.copytree(example, team, ignore=shutil.ignore_patterns("__pycache__"))
+    python, cli = (os.path.join(venv, "bin", tool) for tool in ("python", "tsbatch"))
+    model_dir = str(root / "model")
+    clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    subprocess.run([python, "make_model.py", model_dir, *make_args], cwd=team, check=True, timeout=300,
+                   stdout=subprocess.DEVNULL, env=clean)
+    (team / "handler.yaml").write_text(handler_yaml)
+    ports = server.free_ports(5)
+    store = str(root / "store")
+    subprocess.run([cli, "archive", *archive_args, "--model-dir", model_dir, "--name", name,
+                    "--handler-config", "handler.yaml", "--out", store,
+                    "--inference-port", str(ports[0]), "--management-port", str(ports[1]),
+                    "--metrics-port", str(ports[2]), "--grpc-inference-port", str(ports[3]),
+                    "--grpc-management-port", str(ports[4])], cwd=team, check=True, timeout=900,
+                   stdout=subprocess.DEVNULL, env=clean)
+    paths = server.ServerPaths(str(root / "tmp"), str(root / "logs"))
+    served = server.Served(f"http://127.0.0.1:{ports[0]}", f"http://127.0.0.1:{ports[1]}",
+                           f"http://127.0.0.1:{ports[2]}", paths, store, os.path.join(store, "config.properties"))
+    server.start(served.properties, store, paths, torchserve=os.path.join(venv, "bin", "torchserve"))
+    try:
+        server.wait_ready(served.management, name, 600)
+        yield served
+    finally:
+        server.stop(paths)
+
+
+def _base_python() -> str:
+    """The interpreter this test venv was made from (a venv made from a venv would share its packages' path)."""
+    return os.path.join(sys.base_prefix, "bin", f"python{sys.version_info.major}.{sys.version_info.minor}")
 
 
 @pytest.fixture(scope="session")

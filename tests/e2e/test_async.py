@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import requests
 
-from handlers.stages import BATCH_SIZE_HEADER
+from tsbatch.handlers.stages import BATCH_SIZE_HEADER
 from tests.e2e.client import post, post_together
 from tests.support import cosine
 

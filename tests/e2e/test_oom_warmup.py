@@ -9,7 +9,7 @@ import pytest
 import requests
 import yaml
 
-from archiver import server
+from tsbatch.archiver import server
 from bench.loadtest.load import Load
 from tests.e2e.conftest import NAME, serve_built
 from tests.e2e.test_metrics import value

@@ -1,6 +1,7 @@
 """A team's own model, written only against tsbatch's public API (examples/conv1d: a plain PyTorch
-1-D conv net, not from Hugging Face), archived with `tsbatch archive --handler` as a user runs it
-(profiled and tuned here) and served by a real torchserve with the config.properties and
+1-D conv net, not from Hugging Face), copied to a folder of the team's outside this project and
+archived with the `tsbatch` CLI of the wheel installed in a fresh venv, as a user runs it (profiled
+and tuned here), then served by that venv's torchserve with the config.properties and
 model-config.yaml that command wrote: warmed before READY, batched by bucket, a poisoned request
 isolated.
 """
@@ -8,49 +9,27 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import zipfile
 
 import pytest
 import requests
 import yaml
 
-from archiver import server
 from bench.loadtest.load import Load
-from handlers.stages import PADDED_HEADER
-from tests.e2e.conftest import REPO, tsbatch
+from tsbatch.handlers.stages import PADDED_HEADER
+from tests.e2e.conftest import REPO, serve_example
 
 EXAMPLE = os.path.join(REPO, "examples", "conv1d")
 NAME = "conv"
 
 
 @pytest.fixture(scope="module")
-def conv(tmp_path_factory):
-    sys.path.insert(0, EXAMPLE)
-    try:
-        from make_model import make
-    finally:
-        sys.path.remove(EXAMPLE)
+def conv(tmp_path_factory, wheel_venv):
     root = tmp_path_factory.mktemp("conv")
-    model_dir = make(str(root / "model"), max_length=128)
-    handler_config = root / "handler.yaml"
-    handler_config.write_text("fault_injection: {substring: '666.0'}\nmax_batch_size: 8\n")
-    ports = server.free_ports(5)
-    store = str(root / "store")
-    tsbatch("archive", "--handler", os.path.join(EXAMPLE, "conv_handler.py"),
-            "--extra-files", os.path.join(EXAMPLE, "conv_model.py"), "--model-dir", model_dir, "--name", NAME,
-            "--handler-config", str(handler_config), "--out", store,
-            "--inference-port", str(ports[0]), "--management-port", str(ports[1]), "--metrics-port", str(ports[2]),
-            "--grpc-inference-port", str(ports[3]), "--grpc-management-port", str(ports[4]))
-    paths = server.ServerPaths(str(root / "tmp"), str(root / "logs"))
-    served = server.Served(f"http://127.0.0.1:{ports[0]}", f"http://127.0.0.1:{ports[1]}",
-                           f"http://127.0.0.1:{ports[2]}", paths, store, os.path.join(store, "config.properties"))
-    server.start(served.properties, store, paths)
-    try:
-        server.wait_ready(served.management, NAME, 600)
+    handler_yaml = "fault_injection: {substring: '666.0'}\nmax_batch_size: 8\n"
+    with serve_example(root, wheel_venv, EXAMPLE, NAME, ["--max-length", "128"],
+                       ["--handler", "conv_handler.py", "--extra-files", "conv_model.py"], handler_yaml) as served:
         yield served
-    finally:
-        server.stop(paths)
 
 
 def post(served, values, **kwargs):
@@ -63,7 +42,7 @@ def test_the_archive_holds_the_teams_handler_and_model_and_warms_every_shape(con
         names = set(mar.namelist())
         config = mar.read("model-config.yaml").decode()
         profile = json.loads(mar.read("latency_profile.json"))
-    assert {"conv_handler.py", "conv_model.py", "model/model.safetensors", "handlers/api.py"} <= names
+    assert {"conv_handler.py", "conv_model.py", "model/model.safetensors", "tsbatch/handlers/api.py"} <= names
     handler = yaml.safe_load(config)["handler"]
     assert "task" not in handler  # no encoder task: the team's model decides what it serves
     caps = {int(k): v for k, v in handler["batch_caps"].items()}

@@ -19,17 +19,17 @@ import time
 import pytest
 import requests
 
-from archiver import server
-from archiver.package import ArchiveSpec, build_archive
-from archiver.properties import ServerSettings, model_config, render_properties
-from archiver.server import free_ports
+from tsbatch.archiver import server
+from tsbatch.archiver.package import ArchiveSpec, build_archive
+from tsbatch.archiver.properties import ServerSettings, model_config, render_properties
+from tsbatch.archiver.server import free_ports
 from bench.drills.overload import answer_problems, measure_capacity
 from bench.loadtest.client import shoot
 from bench.loadtest.load import Load, burst, open_loop
 from bench.loadtest.proc import MemorySampler
 from bench.loadtest.stats import by_status, percentile
 from bench.loadtest.torchserve import reap_workers, restore_workers, wait_busy, wait_until, warmups, worker_pids
-from handlers.stages import WORKER_HEADER
+from tsbatch.handlers.stages import WORKER_HEADER
 from tests.e2e.conftest import ASYNC_FRONTEND, CONTINUOUS_FRONTEND, TEST_FRONTEND
 
 DEADLINE_MS = 1500

@@ -10,8 +10,8 @@ import time
 import pytest
 import requests
 
-from archiver import server
-from handlers.stages import BATCH_SIZE_HEADER, WORKER_HEADER
+from tsbatch.archiver import server
+from tsbatch.handlers.stages import BATCH_SIZE_HEADER, WORKER_HEADER
 from tests.e2e.client import post, post_together
 from tests.support import cosine
 

@@ -20,11 +20,11 @@ import time
 import pytest
 import requests
 
-from archiver import server
+from tsbatch.archiver import server
 from bench.loadtest.load import Load
 from bench.loadtest.stats import by_status
 from bench.loadtest.torchserve import wait_until, worker_pids
-from handlers.stages import WORKER_HEADER
+from tsbatch.handlers.stages import WORKER_HEADER
 from tests.e2e.conftest import NAME, serve_built
 from tests.support import cosine
 

@@ -1,4 +1,4 @@
-"""`python -m archiver` as a user runs it: profile, tune, archive, export --kserve, and clear refusals."""
+"""`python -m tsbatch.archiver` as a user runs it: profile, tune, archive, export --kserve, and clear refusals."""
 from __future__ import annotations
 
 import json
@@ -11,15 +11,15 @@ import zipfile
 import pytest
 import yaml
 
-from archiver.properties import read_properties
-from warmup.profile import PROFILE_FILE, LatencyProfile
+from tsbatch.archiver.properties import read_properties
+from tsbatch.warmup.profile import PROFILE_FILE, LatencyProfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL = {"buckets": [16, 64, 256], "max_batch_size": 4}  # 9 shapes: a profile in seconds
 
 
 def tsbatch(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "archiver", *args], cwd=REPO, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "tsbatch.archiver", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, "PYTHONPATH": REPO})
 
 

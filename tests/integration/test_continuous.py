@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from handlers.stages import BATCH_SIZE_HEADER
+from tsbatch.handlers.stages import BATCH_SIZE_HEADER
 from tests.support import ContinuousFrontend, call, cosine, load_handler
 
 pytestmark = pytest.mark.integration

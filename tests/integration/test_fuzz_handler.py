@@ -15,11 +15,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from handlers.config import HandlerConfig
-from handlers.encoder_handler import EncoderHandler
-from handlers.stages import BATCH_SIZE_HEADER, WORKER_HEADER
-from handlers.errors import BadInput, ConfigError
-from handlers.parse import parse_text, row_value
+from tsbatch.handlers.config import HandlerConfig
+from tsbatch.handlers.encoder_handler import EncoderHandler
+from tsbatch.handlers.stages import BATCH_SIZE_HEADER, WORKER_HEADER
+from tsbatch.handlers.errors import BadInput, ConfigError
+from tsbatch.handlers.parse import parse_text, row_value
 from tests.support import make_context
 
 FUZZ = settings(max_examples=50, deadline=None,

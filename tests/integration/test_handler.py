@@ -5,9 +5,9 @@ import re
 
 import pytest
 
-from handlers.encoder_handler import EncoderHandler
-from handlers.stages import BATCH_SIZE_HEADER
-from handlers.errors import ConfigError
+from tsbatch.handlers.encoder_handler import EncoderHandler
+from tsbatch.handlers.stages import BATCH_SIZE_HEADER
+from tsbatch.handlers.errors import ConfigError
 from tests.support import call, cosine, load_handler, make_context
 
 TEXTS = [

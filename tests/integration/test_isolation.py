@@ -77,7 +77,7 @@ def test_input_that_does_not_fit_alone_gets_507(minilm_dir):
     original = handler.isolator._run  # the handler's pass, fault injection included
 
     def run(batch):
-        if any("HUGE" in item.encoding.text for item in batch.items):
+        if any("HUGE" in item.input.text for item in batch.items):
             raise MemoryError("simulated: out of memory")
         return original(batch)
 

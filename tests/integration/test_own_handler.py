@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import pytest
 
-from archiver.measure import ProfileError, handler_class
-from archiver.package import ArchiveError, check_model_dir
-from archiver.pipeline import profile_here
-from tests.support import call, make_context
+from tsbatch.archiver.measure import ProfileError, handler_class
+from tsbatch.archiver.package import ArchiveError, check_model_dir
+from tsbatch.archiver.pipeline import profile_here
+from tests.support import call, example_maker, make_context
 
 pytestmark = pytest.mark.integration
 
@@ -22,9 +21,7 @@ HANDLER = os.path.join(EXAMPLE, "conv_handler.py")
 
 @pytest.fixture(scope="module")
 def conv_dir(tmp_path_factory):
-    sys.path.insert(0, EXAMPLE)
-    from make_model import make
-
+    make = example_maker(EXAMPLE)
     return make(str(tmp_path_factory.mktemp("conv") / "model"), max_length=32)
 
 
@@ -52,7 +49,7 @@ def test_the_teams_handler_answers_each_request_alone_or_batched_alike(conv_dir)
 
 def test_a_handler_file_must_define_one_tsbatch_handler(tmp_path):
     two = tmp_path / "two_handlers.py"
-    two.write_text("from handlers.tsbatch_handler import TsbatchHandler\n"
+    two.write_text("from tsbatch.handlers.tsbatch_handler import TsbatchHandler\n"
                    "class A(TsbatchHandler):\n    pass\nclass B(TsbatchHandler):\n    pass\n")
     with pytest.raises(ProfileError, match="exactly one class"):
         handler_class(str(two))

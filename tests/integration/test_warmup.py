@@ -8,11 +8,11 @@ import shutil
 
 import pytest
 
-from handlers.buckets import plan_batches
-from handlers.encoder_handler import EncoderHandler
-from handlers.stages import Call, prepare
+from tsbatch.handlers.buckets import plan_batches
+from tsbatch.handlers.encoder_handler import EncoderHandler
+from tsbatch.handlers.stages import Call, prepare
 from tests.support import call, make_context
-from warmup.profile import PROFILE_FILE, LatencyProfile
+from tsbatch.warmup.profile import PROFILE_FILE, LatencyProfile
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,9 @@ import json
 
 import pytest
 
-from handlers.memory import OOM_CAPS_FILE
+from tsbatch.handlers.memory import OOM_CAPS_FILE
 from tests.support import call, cosine, load_handler
-from warmup.profile import PROFILE_FILE, LatencyProfile
+from tsbatch.warmup.profile import PROFILE_FILE, LatencyProfile
 
 pytestmark = pytest.mark.integration
 

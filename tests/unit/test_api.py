@@ -11,9 +11,9 @@ import tempfile
 
 import pytest
 
-from handlers.api import BadInput, Batch, Model, Request
-from handlers.stages import BATCH_SIZE_HEADER, PADDED_HEADER
-from handlers.tsbatch_handler import TsbatchHandler
+from tsbatch.handlers.api import BadInput, Batch, Model, Request
+from tsbatch.handlers.stages import BATCH_SIZE_HEADER, PADDED_HEADER
+from tsbatch.handlers.tsbatch_handler import TsbatchHandler
 
 pytestmark = pytest.mark.unit
 
@@ -34,10 +34,10 @@ class WordModel(Model):
     def forward(self, batch: Batch) -> list:
         self.passes.append((batch.size, batch.bucket))
         for item in batch.items:
-            assert len(item.encoding) <= batch.bucket  # every input fits the bucket it was put in
-            if item.encoding == [6]:  # "poison" alone fails, whatever batch it is in
+            assert len(item.input) <= batch.bucket  # every input fits the bucket it was put in
+            if item.input == [6]:  # "poison" alone fails, whatever batch it is in
                 raise RuntimeError("the model broke on this input")
-        return [{"sum": sum(item.encoding), "length": item.tokens} for item in batch.items]
+        return [{"sum": sum(item.input), "length": item.length} for item in batch.items]
 
     def example(self, length: int) -> list[int]:
         return [1] * length

@@ -1,17 +1,17 @@
-"""handlers.buckets: edges, bucket choice, batch caps and the batch plan."""
+"""tsbatch.handlers.buckets: edges, bucket choice, batch caps and the batch plan."""
 from __future__ import annotations
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from handlers.buckets import Batch, Item, batch_cap, bucket_for, check_edges, default_edges, next_batch_size, plan_batches
+from tsbatch.handlers.buckets import Batch, Item, batch_cap, bucket_for, check_edges, default_edges, next_batch_size, plan_batches
 
 pytestmark = pytest.mark.unit
 
 
 def item(index: int, bucket: int, tokens: int | None = None) -> Item:
-    return Item(index=index, text=f"t{index}", tokens=bucket if tokens is None else tokens, bucket=bucket)
+    return Item(index=index, text=f"t{index}", length=bucket if tokens is None else tokens, bucket=bucket)
 
 
 # -- default_edges / check_edges ---------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""handlers.config: the `handler:` section is validated once, and a bad field is named with its value."""
+"""tsbatch.handlers.config: the `handler:` section is validated once, and a bad field is named with its value."""
 from __future__ import annotations
 
 import dataclasses
@@ -6,8 +6,8 @@ import dataclasses
 import pytest
 import yaml
 
-from handlers.config import FaultInjection, HandlerConfig, Task
-from handlers.errors import ConfigError
+from tsbatch.handlers.config import FaultInjection, HandlerConfig, Task
+from tsbatch.handlers.errors import ConfigError
 
 pytestmark = pytest.mark.unit
 

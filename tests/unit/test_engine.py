@@ -1,4 +1,4 @@
-"""handlers.engine: lanes, and the Engine's lane threads over a real Scheduler.
+"""tsbatch.handlers.engine: lanes, and the Engine's lane threads over a real Scheduler.
 
 The isolator is a fake whose `execute` can block on an Event, so a test can hold a pass "running"
 for as long as it likes; every blocked call is released when the test ends (lane threads are
@@ -12,10 +12,10 @@ import time
 
 import pytest
 
-from handlers.buckets import batch_cap, Item
-from handlers.engine import Engine, split_lanes
-from handlers.errors import DeadlineExceeded, ModelFailed, Overloaded
-from handlers.scheduler import Scheduler, SchedulerPolicy, Ticket
+from tsbatch.handlers.buckets import batch_cap, Item
+from tsbatch.handlers.engine import Engine, split_lanes
+from tsbatch.handlers.errors import DeadlineExceeded, ModelFailed, Overloaded
+from tsbatch.handlers.scheduler import Scheduler, SchedulerPolicy, Ticket
 
 pytestmark = pytest.mark.unit
 
@@ -130,7 +130,7 @@ def ticket(bucket: int, deadline_in: float | None = None) -> Ticket:
     """Index 0, as every item of an async-mode call (one request per call) has."""
     n = next(_counter)
     now = time.monotonic()
-    item = Item(index=0, text=f"b{bucket}-{n}", tokens=bucket - 1, bucket=bucket)
+    item = Item(index=0, text=f"b{bucket}-{n}", length=bucket - 1, bucket=bucket)
     return Ticket(item, now, deadline=None if deadline_in is None else now + deadline_in)
 
 

@@ -1,9 +1,9 @@
-"""handlers.entities: per-token labels become entity spans of the original text."""
+"""tsbatch.handlers.entities: per-token labels become entity spans of the original text."""
 from __future__ import annotations
 
 import pytest
 
-from handlers.entities import group_entities
+from tsbatch.handlers.entities import group_entities
 
 pytestmark = pytest.mark.unit
 

@@ -1,12 +1,12 @@
-"""handlers.errors: every serving error carries its status and renders one body shape."""
+"""tsbatch.handlers.errors: every serving error carries its status and renders one body shape."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from handlers import errors
-from handlers.errors import (
+from tsbatch.handlers import errors
+from tsbatch.handlers.errors import (
     BadInput,
     ConfigError,
     DeadlineExceeded,

@@ -13,8 +13,8 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from handlers.errors import BadInput
-from handlers.parse import EXAMPLE, parse_text, row_value
+from tsbatch.handlers.errors import BadInput
+from tsbatch.handlers.parse import EXAMPLE, parse_text, row_value
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""handlers.isolate: failing requests are found by bisection, out-of-memory batches are halved.
+"""tsbatch.handlers.isolate: failing requests are found by bisection, out-of-memory batches are halved.
 
 The model is a fake `run(batch)`: one {"v": text} per item, RuntimeError when any text contains
 "BAD", MemoryError above a batch size or for a text that does not fit even alone.
@@ -10,9 +10,9 @@ import math
 
 import pytest
 
-from handlers.buckets import Batch, Item, plan_batches
-from handlers.errors import ModelFailed, ModelUnavailable, OutOfMemory, ServingError
-from handlers.isolate import IsolationReport, Isolator, OomCaps, describe, is_out_of_memory
+from tsbatch.handlers.buckets import Batch, Item, plan_batches
+from tsbatch.handlers.errors import ModelFailed, ModelUnavailable, OutOfMemory, ServingError
+from tsbatch.handlers.isolate import IsolationReport, Isolator, OomCaps, describe, is_out_of_memory
 
 pytestmark = pytest.mark.unit
 
@@ -58,7 +58,7 @@ class FakeModel:
 
 
 def make_batch(texts, bucket: int = BUCKET) -> Batch:
-    return Batch(bucket, tuple(Item(index=i, text=t, tokens=min(len(t), bucket), bucket=bucket)
+    return Batch(bucket, tuple(Item(index=i, text=t, length=min(len(t), bucket), bucket=bucket)
                                for i, t in enumerate(texts)))
 
 
@@ -98,7 +98,7 @@ def test_good_batch_is_one_pass(n):
 
 def test_outcomes_follow_batch_order_not_item_index():
     """Items keep their request index; outcomes come back in the batch's own order."""
-    items = tuple(Item(index=i, text=f"good-{i}", tokens=3, bucket=BUCKET) for i in (7, 2, 5))
+    items = tuple(Item(index=i, text=f"good-{i}", length=3, bucket=BUCKET) for i in (7, 2, 5))
     outcomes, _ = Isolator(FakeModel(), budget=4).execute(Batch(BUCKET, items))
     assert outcomes == [{"v": "good-7"}, {"v": "good-2"}, {"v": "good-5"}]
 
@@ -269,7 +269,7 @@ def test_oom_batch_is_split_until_it_fits_and_the_cap_is_learned(oom_error):
 
     # The next requests of that bucket are planned at the learned cap and need no split.
     model.calls.clear()
-    second = [Item(index=10 + i, text=f"next-{i}", tokens=5, bucket=BUCKET) for i in range(8)]
+    second = [Item(index=10 + i, text=f"next-{i}", length=5, bucket=BUCKET) for i in range(8)]
     batches = plan_batches(second, cap_for=lambda b: caps.cap(b, 100))
     assert [b.size for b in batches] == [2, 2, 2, 2]
     for planned in batches:
@@ -449,7 +449,7 @@ def test_items_that_share_an_index_each_get_their_own_result_in_order():
     (and a failure found by bisection was reported against the wrong requests).
     """
     texts = ["good-a", "good-b", "BAD-c", "good-d", "good-e"]
-    items = tuple(Item(index=0, text=t, tokens=5, bucket=BUCKET) for t in texts)
+    items = tuple(Item(index=0, text=t, length=5, bucket=BUCKET) for t in texts)
     model = FakeModel()
     outcomes, report = Isolator(model, budget=BIG_BUDGET).execute(Batch(BUCKET, items[:2] + items[3:]))
     assert outcomes == [{"v": "good-a"}, {"v": "good-b"}, {"v": "good-d"}, {"v": "good-e"}]

@@ -1,4 +1,4 @@
-"""archiver.kserve: the layout, config.properties and InferenceService KServe's TorchServe runtime loads."""
+"""tsbatch.archiver.kserve: the layout, config.properties and InferenceService KServe's TorchServe runtime loads."""
 from __future__ import annotations
 
 import json
@@ -7,9 +7,9 @@ import re
 import pytest
 import yaml
 
-from archiver import kserve
-from archiver.kserve import KServeError
-from archiver.properties import read_properties
+from tsbatch.archiver import kserve
+from tsbatch.archiver.kserve import KServeError
+from tsbatch.archiver.properties import read_properties
 
 pytestmark = pytest.mark.unit
 

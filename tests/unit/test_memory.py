@@ -3,15 +3,15 @@ from __future__ import annotations
 
 import pytest
 
-from handlers.buckets import power_of_two_sizes
-from handlers.config import HandlerConfig
-from handlers.errors import ConfigError
-from handlers.isolate import is_out_of_memory
-from handlers.memory import apply_budget, budget_bytes, keep_caps, load_caps
+from tsbatch.handlers.buckets import power_of_two_sizes
+from tsbatch.handlers.config import HandlerConfig
+from tsbatch.handlers.errors import ConfigError
+from tsbatch.handlers.isolate import is_out_of_memory
+from tsbatch.handlers.memory import apply_budget, budget_bytes, keep_caps, load_caps
 from tests.support import FakeClock
-from warmup.plan import Shape, WarmupPlan, plan_shapes
-from warmup.profile import LatencyProfile
-from warmup.run import run_plan
+from tsbatch.warmup.plan import Shape, WarmupPlan, plan_shapes
+from tsbatch.warmup.profile import LatencyProfile
+from tsbatch.warmup.run import run_plan
 
 pytestmark = pytest.mark.unit
 GiB = 2**30

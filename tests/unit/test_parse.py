@@ -1,10 +1,10 @@
-"""handlers.parse: every shape TorchServe hands a handler ends as text or as a 400 that says what to send."""
+"""tsbatch.handlers.parse: every shape TorchServe hands a handler ends as text or as a 400 that says what to send."""
 from __future__ import annotations
 
 import pytest
 
-from handlers.errors import BadInput
-from handlers.parse import EXAMPLE, parse_text, row_value
+from tsbatch.handlers.errors import BadInput
+from tsbatch.handlers.parse import EXAMPLE, parse_text, row_value
 
 pytestmark = pytest.mark.unit
 

@@ -5,11 +5,11 @@ import logging
 
 import pytest
 
-from archiver.measure import _Forward, progress_line
-from warmup.plan import Shape, WarmupPlan
-from warmup.profile import LatencyProfile
+from tsbatch.archiver.measure import _Forward, progress_line
+from tsbatch.warmup.plan import Shape, WarmupPlan
+from tsbatch.warmup.profile import LatencyProfile
 from tests.support import FakeClock
-from warmup.run import run_plan
+from tsbatch.warmup.run import run_plan
 
 pytestmark = pytest.mark.unit
 
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.unit
 def test_every_warmup_shape_reaches_the_progress_callback_as_an_event():
     seen = []
     forward = _Forward(seen.append)
-    logger = logging.getLogger("warmup.run")
+    logger = logging.getLogger("tsbatch.warmup.run")
     level = logger.level
     logger.setLevel(logging.INFO)
     logger.addHandler(forward)
@@ -34,10 +34,10 @@ def test_every_warmup_shape_reaches_the_progress_callback_as_an_event():
 def test_prose_without_an_event_is_not_progress_and_an_event_is_whatever_the_text():
     seen = []
     forward = _Forward(seen.append)
-    plain = logging.LogRecord("warmup.run", logging.INFO, __file__, 1, "tsbatch warmup shape 1 of 1", None, None)
+    plain = logging.LogRecord("tsbatch.warmup.run", logging.INFO, __file__, 1, "tsbatch warmup shape 1 of 1", None, None)
     forward.emit(plain)
     assert seen == []
-    evented = logging.LogRecord("handlers.warming", logging.INFO, __file__, 1, "reworded", None, None)
+    evented = logging.LogRecord("tsbatch.handlers.warming", logging.INFO, __file__, 1, "reworded", None, None)
     evented.tsbatch_warmup = {"event": "done", "seconds": 12.34}
     forward.emit(evented)
     assert seen == ["warmup done in 12.3s"]

@@ -1,4 +1,4 @@
-"""archiver.properties: the generated config.properties is safe by default; model-config.yaml merges."""
+"""tsbatch.archiver.properties: the generated config.properties is safe by default; model-config.yaml merges."""
 from __future__ import annotations
 
 import os
@@ -8,7 +8,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from archiver.properties import (
+from tsbatch.archiver.properties import (
     CONFIGS,
     LOOPBACK,
     ServerSettings,
@@ -17,7 +17,7 @@ from archiver.properties import (
     read_properties,
     render_properties,
 )
-from handlers.config import HandlerConfig
+from tsbatch.handlers.config import HandlerConfig
 
 pytestmark = pytest.mark.unit
 
@@ -148,7 +148,7 @@ def test_grpc_listeners_are_loopback_on_their_own_ports(store):
 
 
 def test_metrics_config_is_installed_and_named(tmp_path):
-    from archiver.properties import install_metrics_config
+    from tsbatch.archiver.properties import install_metrics_config
 
     path = install_metrics_config(str(tmp_path / "store"))
     values = read_properties(render_properties(ServerSettings(
@@ -159,7 +159,7 @@ def test_metrics_config_is_installed_and_named(tmp_path):
 def test_log_config_is_installed_and_drops_only_the_per_call_lines(tmp_path):
     import xml.etree.ElementTree as ET
 
-    from archiver.properties import install_log_config
+    from tsbatch.archiver.properties import install_log_config
 
     path = install_log_config(str(tmp_path / "store"))
     values = read_properties(render_properties(ServerSettings(

@@ -14,32 +14,32 @@ pytestmark = pytest.mark.unit
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 PURE = [
-    "handlers.parse",
-    "handlers.config",
-    "handlers.buckets",
-    "handlers.isolate",
-    "handlers.entities",
-    "handlers.errors",
-    "handlers.scheduler",
-    "handlers.engine",
-    "handlers.metrics",
-    "handlers.siblings",
-    "handlers.memory",
-    "handlers.stages",
-    "handlers.api",
-    "handlers.tsbatch_handler",
-    "handlers.encoder_handler",  # torch loads only when a model is loaded
-    "handlers.worker",
-    "handlers.warming",
-    "handlers.socket_guard",
-    "handlers.modes",
-    "handlers.modes.default_mode",
-    "handlers.modes.scheduled",
-    "handlers.modes.continuous_mode",
-    "handlers.modes.async_mode",
-    "warmup.plan",
-    "warmup.run",
-    "warmup.profile",
+    "tsbatch.handlers.parse",
+    "tsbatch.handlers.config",
+    "tsbatch.handlers.buckets",
+    "tsbatch.handlers.isolate",
+    "tsbatch.handlers.entities",
+    "tsbatch.handlers.errors",
+    "tsbatch.handlers.scheduler",
+    "tsbatch.handlers.engine",
+    "tsbatch.handlers.metrics",
+    "tsbatch.handlers.siblings",
+    "tsbatch.handlers.memory",
+    "tsbatch.handlers.stages",
+    "tsbatch.handlers.api",
+    "tsbatch.handlers.tsbatch_handler",
+    "tsbatch.handlers.encoder_handler",  # torch loads only when a model is loaded
+    "tsbatch.handlers.worker",
+    "tsbatch.handlers.warming",
+    "tsbatch.handlers.socket_guard",
+    "tsbatch.handlers.modes",
+    "tsbatch.handlers.modes.default_mode",
+    "tsbatch.handlers.modes.scheduled",
+    "tsbatch.handlers.modes.continuous_mode",
+    "tsbatch.handlers.modes.async_mode",
+    "tsbatch.warmup.plan",
+    "tsbatch.warmup.run",
+    "tsbatch.warmup.profile",
 ]
 HEAVY = ["torch", "transformers", "ts"]  # ts is TorchServe's Python package
 
@@ -47,7 +47,7 @@ PROBE = """
 import importlib, json, sys
 for name in sys.argv[1:]:
     importlib.import_module(name)
-print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in {heavy!r})))
+print(json.dumps(sorted(m for m in sys.modules if any(m == h or m.startswith(h + ".") for h in {heavy!r}))))
 """
 
 
@@ -81,7 +81,7 @@ def test_warmup_does_not_import_the_handler_package():
     """warmup/ is a library under the handler: the handler imports it, never the reverse."""
     env = {**os.environ, "PYTHONPATH": REPO}
     done = subprocess.run(
-        [sys.executable, "-c", PROBE.format(heavy={"handlers"}), "warmup.plan", "warmup.run", "warmup.profile"],
+        [sys.executable, "-c", PROBE.format(heavy={"tsbatch.handlers"}), "tsbatch.warmup.plan", "tsbatch.warmup.run", "tsbatch.warmup.profile"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
     )
     assert done.returncode == 0, done.stderr

@@ -1,4 +1,4 @@
-"""handlers.scheduler: per-bucket queues, readiness, ordering, priority, deadlines, queue cap.
+"""tsbatch.handlers.scheduler: per-bucket queues, readiness, ordering, priority, deadlines, queue cap.
 
 Time is a fake clock: plain floats passed as `now` (and as each ticket's `arrived`); nothing sleeps.
 Unless a test says otherwise the policy has priority aging off (classes are exact) and a huge
@@ -10,9 +10,9 @@ import itertools
 
 import pytest
 
-from handlers.buckets import batch_cap, Batch, Item
-from handlers.errors import BadInput, Overloaded
-from handlers.scheduler import Priority, Scheduler, SchedulerPolicy, Ticket
+from tsbatch.handlers.buckets import batch_cap, Batch, Item
+from tsbatch.handlers.errors import BadInput, Overloaded
+from tsbatch.handlers.scheduler import Priority, Scheduler, SchedulerPolicy, Ticket
 
 pytestmark = pytest.mark.unit
 
@@ -39,7 +39,7 @@ def policy(**overrides) -> SchedulerPolicy:
 def ticket(bucket: int, arrived: float = 0.0, priority: Priority = NORMAL,
            deadline: float | None = None, text: str | None = None) -> Ticket:
     n = next(_counter)
-    item = Item(index=n, text=text or f"b{bucket}-{n}", tokens=bucket - 1, bucket=bucket)
+    item = Item(index=n, text=text or f"b{bucket}-{n}", length=bucket - 1, bucket=bucket)
     return Ticket(item, arrived, priority, deadline)
 
 
@@ -529,7 +529,7 @@ def test_a_ticket_that_may_not_wait_makes_its_bucket_ready_at_once():
 
 
 def test_within_budget_fills_each_lane_up_to_its_seconds_and_always_takes_a_lanes_first():
-    from handlers.scheduler import within_budget
+    from tsbatch.handlers.scheduler import within_budget
 
     costs = [(0, 0.1), (0, 0.1), (1, 0.9), (0, 0.25), (1, 0.2), (0, 0.05), (1, 0.05)]
     assert within_budget(costs, [0.3, 0.3]) == [True, True, True, False, False, True, False]

@@ -1,4 +1,4 @@
-"""archiver.tune: batch caps under a p99 target, workers and threads, timeouts, each with a reason."""
+"""tsbatch.archiver.tune: batch caps under a p99 target, workers and threads, timeouts, each with a reason."""
 from __future__ import annotations
 
 import json
@@ -12,9 +12,9 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from archiver import pipeline
-from archiver.properties import ServerSettings, read_properties, render_properties, render_yaml
-from archiver.tune import (
+from tsbatch.archiver import pipeline
+from tsbatch.archiver.properties import ServerSettings, read_properties, render_properties, render_yaml
+from tsbatch.archiver.tune import (
     MAX_THREADS_PER_WORKER,
     Machine,
     TuneError,
@@ -24,9 +24,9 @@ from archiver.tune import (
     predicted_p99,
     tune,
 )
-from handlers.config import HandlerConfig
-from handlers.engine import split_lanes
-from warmup.profile import LatencyProfile, ShapeTiming
+from tsbatch.handlers.config import HandlerConfig
+from tsbatch.handlers.engine import split_lanes
+from tsbatch.warmup.profile import LatencyProfile, ShapeTiming
 
 pytestmark = pytest.mark.unit
 
@@ -390,7 +390,7 @@ def test_tune_and_kserve_stay_pure():
     probe = ("import importlib, json, sys\n"
              "for name in sys.argv[1:]: importlib.import_module(name)\n"
              "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in {'torch', 'transformers', 'ts'})))")
-    modules = ["archiver.tune", "archiver.kserve", "archiver.pipeline", "archiver.cli"]
+    modules = ["tsbatch.archiver.tune", "tsbatch.archiver.kserve", "tsbatch.archiver.pipeline", "tsbatch.archiver.cli"]
     done = subprocess.run([sys.executable, "-c", probe, *modules], cwd=REPO, capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": REPO}, timeout=120)
     assert done.returncode == 0, done.stderr
