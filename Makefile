@@ -20,7 +20,7 @@ ARCHIVE_ARGS ?=
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 SERVE_ENV = TMPDIR=$(RUN_DIR)/tmp TEMP=$(RUN_DIR)/tmp LOG_LOCATION=$(RUN_DIR)/logs METRICS_LOCATION=$(RUN_DIR)/logs PATH=$(CURDIR)/$(VENV)/bin:$$PATH
 
-.PHONY: setup java archive serve stop test test-unit test-transformers4 bench bench-warmup bench-idle bench-workers soak chaos clean help
+.PHONY: setup java archive serve stop test test-unit test-transformers4 test-wheel bench-generate bench bench-warmup bench-idle bench-workers soak chaos clean help
 
 help:
 	@echo "make serve    set up, archive all-MiniLM-L6-v2 as '$(NAME)' and serve it on 127.0.0.1:8080-8082"
@@ -31,6 +31,7 @@ help:
 	@echo "make bench-warmup  first request vs steady state per shape, warmup and compile on/off"
 	@echo "make bench-idle    one pass after idle pauses of 1-200 ms: how cold a waiting worker gets"
 	@echo "make bench-workers the built archive with 1, 2 and 3 workers: lone requests, mixed load, logs, idle CPU"
+	@echo "make bench-generate asks for 8 tokens among asks for 256: the generation example vs TorchServe's batching"
 	@echo "make soak     50,000 requests through async mode; frontend memory at start and end"
 	@echo "make chaos    worker killed mid-batch and overload at 3x capacity (bench/results/chaos.*)"
 
@@ -73,6 +74,16 @@ test: setup
 test-unit: setup
 	$(PYTHON) -m pytest -q -m unit $(PYTEST_ARGS)
 
+# tsbatch as a team installs it: the wheel (not editable) and its dependencies from the package
+# index in a fresh venv; the examples are archived by that venv's CLI and served by its torchserve.
+test-wheel: setup java
+	rm -rf dist $(VENV)-wheel
+	$(PYTHON) -m pip wheel -q --no-deps --no-build-isolation -w dist .
+	$(PY) -m venv $(VENV)-wheel
+	$(VENV)-wheel/bin/python -m pip install -q --upgrade pip
+	$(VENV)-wheel/bin/python -m pip install -q "$(TORCH_SPEC)" dist/tsbatch-*.whl
+	TSBATCH_WHEEL_VENV=$(CURDIR)/$(VENV)-wheel $(PYTHON) -m pytest -q tests/e2e/test_own_model.py tests/e2e/test_generate_served.py
+
 # The handler against a transformers 4.x release, so teams pinned to 4.x keep working.
 test-transformers4: java
 	[ -x $(VENV)-tf4/bin/python ] || $(PY) -m venv $(VENV)-tf4
@@ -97,6 +108,9 @@ bench-idle: setup
 
 bench-workers: setup
 	$(PYTHON) bench/workers.py $(BENCH_ARGS)
+
+bench-generate: setup java
+	$(PYTHON) bench/generate.py $(BENCH_ARGS)
 
 soak: setup
 	$(PYTHON) bench/soak.py $(BENCH_ARGS)

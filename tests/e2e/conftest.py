@@ -63,8 +63,13 @@ def tsbatch(*args: str) -> None:
 def wheel_venv(tmp_path_factory) -> str:
     """tsbatch as a team installs it: the wheel `pip wheel` builds from this checkout, installed
     (not editable) into a fresh venv. Its dependencies come from the test venv through a .pth
-    file (a copy of torch and TorchServe would take minutes; CI installs them for real,
-    .ci/run), and its own `torchserve` script runs the workers on the venv's Python."""
+    file (a copy of torch and TorchServe would take minutes), and its own `torchserve` script runs
+    the workers on the venv's Python. `make test-wheel` (CI) passes a venv where the wheel and its
+    dependencies were installed for real, from the package index, in TSBATCH_WHEEL_VENV."""
+    given = os.environ.get("TSBATCH_WHEEL_VENV")
+    if given:
+        assert os.path.exists(os.path.join(given, "bin", "tsbatch")), f"no tsbatch CLI in {given}"
+        return given
     root = tmp_path_factory.mktemp("wheel")
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
                     str(root / "dist"), REPO], check=True, timeout=300, capture_output=True)
