@@ -1,8 +1,8 @@
 """tsbatch's own scheduler for the scheduler modes (continuous and async): one queue per length
 bucket, batches chosen by policy.
 
-A batch leaves a bucket when its token budget is full or its oldest request has waited the
-bucket's maximum wait. Among ready buckets: higher priority first (a request gains one class per
+A batch leaves a bucket when its token budget is full or its oldest request has held for company
+as long as that pays (handlers/waiting.py: at most max_wait, and not at all at light load). Among ready buckets: higher priority first (a request gains one class per
 `priority_aging` seconds waited, so low never starves), then the shortest bucket — unless some
 bucket's oldest request has waited `age_bound`, which then goes first. Requests that could no
 longer finish by their deadline (now plus the time their own pass takes) leave through `expire`
@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Protocol, Sequence
 
 from tsbatch.handlers.buckets import Batch, Bucket, Item, bucket_order, next_batch_size
 from tsbatch.handlers.errors import BadInput, Overloaded, ServingError
+from tsbatch.handlers.waiting import Arrivals, release_at
 
 
 class Priority(enum.IntEnum):
@@ -82,23 +83,24 @@ class Ticket:
 @dataclass(frozen=True)
 class SchedulerPolicy:
     edges: tuple[int, ...]
-    max_wait: float  # seconds the oldest request of a bucket waits for company
+    max_wait: float  # seconds the oldest request of a bucket may hold for company, at most
     queue_cap: int  # requests waiting in this worker, all buckets together
     age_bound: float  # seconds after which a bucket's oldest request jumps the shortest-first order
     priority_aging: float  # seconds of waiting that raise a request by one priority class
-    max_wait_per_bucket: dict[int, float] = field(default_factory=dict)
-
-    def wait_for(self, bucket: Bucket) -> float:
-        return self.max_wait_per_bucket.get(bucket, self.max_wait)
 
 
 class Scheduler:
-    """Holds waiting tickets per bucket and hands out the next batch to run."""
+    """Holds waiting tickets per bucket and hands out the next batch to run. `pass_time(size,
+    bucket)`: seconds of a pass by the latency profile (0 where unknown); without it a bucket's
+    oldest request holds `max_wait` for company."""
 
-    def __init__(self, policy: SchedulerPolicy, cap_for: Callable[[int], int]):
+    def __init__(self, policy: SchedulerPolicy, cap_for: Callable[[Bucket], int],
+                 pass_time: Callable[[int, Bucket], float] | None = None):
         self.policy = policy
-        self.queues: dict[int, list[Ticket]] = {edge: [] for edge in policy.edges}
+        self.queues: dict[Bucket, list[Ticket]] = {edge: [] for edge in policy.edges}
         self._cap_for = cap_for  # the worker's one rule for a bucket's largest batch
+        self._pass_time = pass_time
+        self.arrivals = Arrivals()
 
     def __len__(self) -> int:
         return sum(len(q) for q in self.queues.values())
@@ -110,6 +112,7 @@ class Scheduler:
                 f"this worker has {len(self)} requests waiting (cap {self.policy.queue_cap}): retry shortly"
             )
         self.queues[ticket.item.bucket].append(ticket)
+        self.arrivals.arrived(ticket.item.bucket, ticket.arrived)
 
     def expire(self, now: float, lead: Callable[[int], float] | None = None) -> list[Ticket]:
         """Remove and return every ticket that cannot finish by its deadline: `lead(bucket)` is
@@ -129,8 +132,16 @@ class Scheduler:
             return False
         if len(queue) >= self._cap_for(bucket) or not all(t.may_wait for t in queue):
             return True
+        return now >= self.release(bucket)
+
+    def release(self, bucket: Bucket) -> float:
+        """When the bucket's waiting requests stop holding for company (handlers/waiting.py)."""
+        queue = self.queues[bucket]
         oldest = min(t.arrived for t in queue)
-        return now - oldest >= self.policy.wait_for(bucket)
+        if self._pass_time is None:
+            return oldest + self.policy.max_wait
+        return release_at(len(queue), oldest, self.arrivals, bucket, lambda size: self._pass_time(size, bucket),
+                          self.policy.max_wait)
 
     def next_batch(self, now: float, buckets: Iterable[int] | None = None) -> tuple[Batch, list[Ticket]] | None:
         """The batch to run now among `buckets` (default all), with its tickets; None if none is ready."""
@@ -163,9 +174,8 @@ class Scheduler:
             if not queue:
                 continue
             if bucket in allowed:
-                oldest = min(t.arrived for t in queue)
-                wait = self.policy.wait_for(bucket) if all(t.may_wait for t in queue) else 0.0
-                waits.append(oldest + wait - now)
+                due = self.release(bucket) if all(t.may_wait for t in queue) else now
+                waits.append(due - now)
             ahead = lead(bucket) if lead else 0.0
             waits.extend(t.deadline - ahead - now for t in queue if t.deadline is not None)
         return max(0.0, min(waits)) if waits else None

@@ -31,7 +31,7 @@ class ScheduledMode:
         )
         logger.info("tsbatch scheduler (%s mode): lanes (buckets, threads) %s, policy %s", self.name, lanes, policy)
         socket_guard.install()
-        self.engine = Engine(Scheduler(policy, worker.cap_for), worker.isolator, [lane for lane, _ in lanes],
+        self.engine = Engine(Scheduler(policy, worker.cap_for, worker.typical_pass), worker.isolator, [lane for lane, _ in lanes],
                              deliver=self.deliver, on_batch=self._on_batch, on_lane_start=self._on_lane_start,
                              pass_seconds=worker.pass_seconds, typical_pass=worker.typical_pass).start()
 

@@ -1,0 +1,101 @@
+"""handlers/waiting.py: a bucket holds for company only while waiting pays, checked with a fake
+clock on light, bursty and heavy arrival patterns through the real Scheduler, one lane served the
+way the engine serves it (a free lane takes the next ready batch, else sleeps until the scheduler's
+next due time or the next arrival)."""
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from tsbatch.handlers.buckets import Item
+from tsbatch.handlers.scheduler import Scheduler, SchedulerPolicy, Ticket
+from tsbatch.handlers.waiting import Arrivals, patience, release_at
+
+pytestmark = pytest.mark.unit
+
+EDGE = 16
+MAX_WAIT = 0.011  # what tune chooses here: the time one short request takes alone
+
+
+def pass_time(size: int, bucket=EDGE) -> float:
+    """A CPU encoder's shape: a fixed cost per pass and a smaller one per row."""
+    return 0.008 + 0.003 * size
+
+
+def serve(arrivals: list[float], profile: bool = True) -> tuple[list[float], list[int]]:
+    """Latency of each request and the size of each pass, one lane, cap 16."""
+    policy = SchedulerPolicy(edges=(EDGE,), max_wait=MAX_WAIT, queue_cap=10_000, age_bound=10.0, priority_aging=0.0)
+    scheduler = Scheduler(policy, lambda bucket: 16, pass_time if profile else None)
+    done: dict[int, float] = {}
+    sizes: list[int] = []
+    now, i = 0.0, 0
+    while len(done) < len(arrivals):
+        while i < len(arrivals) and arrivals[i] <= now + 1e-12:
+            scheduler.submit(Ticket(Item(i, "", 10, EDGE), arrivals[i]))
+            i += 1
+        picked = scheduler.next_batch(now)
+        if picked is not None:
+            batch, tickets = picked
+            now += pass_time(batch.size)
+            sizes.append(batch.size)
+            for t in tickets:
+                done[t.item.index] = now - t.arrived
+            continue
+        due = scheduler.time_until_ready(now)
+        nxt = arrivals[i] if i < len(arrivals) else math.inf
+        now = min(nxt, now + due if due is not None else math.inf)
+    return [done[k] for k in range(len(arrivals))], sizes
+
+
+def poisson(rate: float, count: int, seed: int = 0) -> list[float]:
+    rng, t, out = random.Random(seed), 0.0, []
+    for _ in range(count):
+        t += rng.expovariate(rate)
+        out.append(t)
+    return out
+
+
+def test_light_traffic_runs_every_request_at_once():
+    latencies, sizes = serve(poisson(5, 200))
+    assert max(latencies) <= 2 * pass_time(1) + 1e-9  # no hold: at most one pass already running ahead
+    assert sum(latencies) / len(latencies) == pytest.approx(pass_time(1), abs=0.001)
+    fixed, _ = serve(poisson(5, 200), profile=False)  # the fixed max_wait it replaces
+    assert sum(fixed) / len(fixed) == pytest.approx(pass_time(1) + MAX_WAIT, abs=0.001)
+
+
+def test_heavy_traffic_still_fills_batches_and_keeps_up():
+    arrivals = poisson(200, 3000)  # alone a pass serves 91 requests/s; at 16 per pass, 285
+    latencies, sizes = serve(arrivals)
+    assert sum(sizes) / len(sizes) >= 3  # what arrives during a pass rides the next one
+    assert max(latencies) < 0.2  # the queue does not grow: capacity holds
+
+
+def test_a_burst_after_a_lull_is_served_in_few_passes():
+    arrivals = []
+    for burst in range(20):  # 8 requests 0.5 ms apart, every 300 ms
+        arrivals += [burst * 0.3 + k * 0.0005 for k in range(8)]
+    latencies, sizes = serve(arrivals)
+    assert len(sizes) <= 4 * 20  # the first alone (nothing known yet), then 4 + 2 + 1, not 8 passes
+    assert max(latencies) < 0.06  # the last of a burst: 1, then 4 + 2 + 1 passes
+
+
+def test_patience_shrinks_with_the_requests_already_waiting_and_the_cost_of_a_row():
+    assert patience(1, pass_time) == pytest.approx(0.011 / 2 - 0.003)
+    assert patience(3, pass_time) == pytest.approx(0.011 / 4 - 0.003) and patience(3, pass_time) < 0
+    assert patience(1, lambda size: 0.0) is None  # no profile
+
+
+def test_a_hold_ends_when_the_next_arrival_is_overdue_or_at_max_wait():
+    arrivals = Arrivals()
+    for t in (0.0, 0.001, 0.002):
+        arrivals.arrived(EDGE, t)
+    flat = lambda size: 0.010  # noqa: E731 - rows cost nothing: patience T(1) / (n + 1)
+    assert release_at(1, 0.002, arrivals, EDGE, flat, 1.0) == pytest.approx(0.002 + 0.005)
+    assert release_at(1, 0.002, arrivals, EDGE, flat, 0.003) == pytest.approx(0.005)  # max_wait first
+    assert release_at(1, 0.002, Arrivals(), EDGE, flat, 1.0) == 0.002  # no traffic known: at once
+    lull = Arrivals()
+    for t in (0.0, 1.0, 1.001, 1.002):  # a lull, then a burst: the median gap is the burst's
+        lull.arrived(EDGE, t)
+    assert lull.median_gap(EDGE) == pytest.approx(0.001)
