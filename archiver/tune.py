@@ -313,6 +313,11 @@ def tune(profile: LatencyProfile, target_ms: float, machine: Machine, config: Ha
     }
     if wait is not None:
         handler["max_wait_ms"] = wait
+        handler["deadline_ms"] = (
+            Choice(config.deadline_ms, "set in the handler configuration") if "deadline_ms" in fixed
+            else Choice(int(math.ceil(2 * target_ms)), f"twice the p99 target ({target_ms:g} ms): a request whose "
+                        "lane has more work queued than this allows is refused at once (503, Retry-After), one "
+                        "still waiting at it is answered 504, never late; clients may ask for less with X-Deadline-Ms"))
     properties = _serving(frontend, plans, workers, use_gpu, profile, config, target_ms)
     return Tuning(target_ms, machine, mode, frontend, handler, properties, plans)
 

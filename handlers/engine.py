@@ -20,7 +20,7 @@ import time
 from typing import Callable, Sequence
 
 from tsbatch.handlers.buckets import Bucket, bucket_tokens
-from tsbatch.handlers.errors import DeadlineExceeded, ModelFailed, ServingError
+from tsbatch.handlers.errors import DeadlineExceeded, ModelFailed, Overloaded, ServingError
 from tsbatch.handlers.isolate import Isolator
 from tsbatch.handlers.scheduler import Answer, Scheduler, Ticket
 
@@ -87,13 +87,33 @@ class Engine:
                 thread.join(timeout)
 
     def submit(self, tickets: Sequence[Ticket]) -> None:
-        """Queue tickets (Overloaded propagates for the one that does not fit) and wake the lanes."""
+        """Queue tickets and wake the lanes. Overloaded propagates for the one that does not fit:
+        the queue is full, or what its lane has running and queued, then its own pass (the latency
+        profile's times), would end past its deadline, so it is refused at once instead of
+        answered 504 later."""
         with self.cond:
             try:
                 for ticket in tickets:
+                    self._admissible(ticket)
                     self.scheduler.submit(ticket)
             finally:
                 self.cond.notify_all()
+
+    def _admissible(self, ticket: Ticket) -> None:
+        """Called under cond."""
+        if ticket.deadline is None:
+            return
+        bucket = ticket.item.bucket
+        lane = next((i for i, buckets in enumerate(self.lanes) if bucket in buckets), 0)
+        now = self.clock()
+        running = 0.0
+        if self.busy[lane]:
+            started, typical = self.passes[lane]
+            running = max(0.0, started + typical - now)
+        ahead = running + self.scheduler.backlog(self.lanes[lane], self.pass_seconds)
+        if ahead > 0 and now + ahead + self.pass_seconds(bucket) > ticket.deadline:
+            raise Overloaded(f"this worker has {ahead * 1000:.0f} ms of work ahead of this request, more than its "
+                             f"deadline allows: retry shortly", reason="deadline")
 
     def _lane(self, index: int, buckets: tuple[int, ...]) -> None:
         self.on_lane_start(index)
@@ -161,5 +181,5 @@ class Engine:
                 outcome = DeadlineExceeded(
                     "the answer was ready only after this request's deadline (the worker is saturated): "
                     "raise X-Deadline-Ms or retry")
-            self.deliver(ticket, Answer(outcome, len(tickets), batch.bucket))
+            self.deliver(ticket, Answer(outcome, len(tickets), batch.bucket, ticket.arrived, started, finished))
         self.on_batch(batch, tickets, report, started, finished)  # after answering: metrics never delay them

@@ -44,9 +44,14 @@ class ModelUnavailable(ServingError):
 
 
 class Overloaded(ServingError):
-    """The worker's queue is full: retry later."""
+    """The worker cannot take this request now (its queue is full, or what is queued ahead would
+    outlast the request's deadline): retry later. `reason` labels tsbatch_rejected_total."""
 
     status = 503
+
+    def __init__(self, message: str, reason: str = "queue_full"):
+        super().__init__(message)
+        self.reason = reason
 
 
 class DeadlineExceeded(ServingError):

@@ -40,12 +40,16 @@ class Priority(enum.IntEnum):
 
 @dataclass(frozen=True)
 class Answer:
-    """What one request got: its result or its error, the size of the pass that computed it, and
-    the bucket it was padded to (0 when it never ran)."""
+    """What one request got: its result or its error, the size of the pass that computed it, the
+    bucket it was padded to (0 when it never ran), and when (monotonic seconds) the handler first
+    saw it, its pass started and ended (0 when unknown): x-tsbatch-timing."""
 
     outcome: Any  # a result (dict or list) or a ServingError
     batch_size: int = 1
     bucket: Bucket = 0
+    arrived: float = 0.0
+    started: float = 0.0
+    finished: float = 0.0
 
     @property
     def failed(self) -> bool:
@@ -113,6 +117,12 @@ class Scheduler:
             )
         self.queues[ticket.item.bucket].append(ticket)
         self.arrivals.arrived(ticket.item.bucket, ticket.arrived)
+
+    def backlog(self, buckets: Iterable[Bucket], pass_seconds: Callable[[Bucket], float]) -> float:
+        """Seconds of passes queued in these buckets: each bucket's waiting requests in batches of
+        its cap, each pass `pass_seconds(bucket)` long."""
+        return sum(math.ceil(len(self.queues[b]) / max(1, self._cap_for(b))) * pass_seconds(b)
+                   for b in buckets if self.queues[b])
 
     def expire(self, now: float, lead: Callable[[int], float] | None = None) -> list[Ticket]:
         """Remove and return every ticket that cannot finish by its deadline: `lead(bucket)` is

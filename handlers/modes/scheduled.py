@@ -54,7 +54,7 @@ class ScheduledMode:
             return ticket
         except ServingError as error:
             if isinstance(error, Overloaded):
-                self.worker.metrics.rejected("queue_full")
+                self.worker.metrics.rejected(error.reason)
             call.fail(item.index, error)
             return None
 

@@ -116,3 +116,23 @@ def test_a_full_queue_and_bad_headers_are_answered_at_once(minilm_dir):
     assert frontend.replies["bad"].status == 400 and "X-Priority" in frontend.replies["bad"].body["error"]
     frontend.drain()
     assert frontend.replies["q0"].status == frontend.replies["q1"].status == 200
+
+
+def test_requests_past_what_their_lane_can_do_by_their_deadline_are_refused_at_once(minilm_dir):
+    """Admission by deadline, with the warmed profile's pass times: 30 long requests that each
+    need a pass of their own, with a 300 ms deadline; the lane takes what it can finish in time,
+    the rest are answered 503 with Retry-After in the call that brought them, not 504 later."""
+    handler, context = load_handler(minilm_dir, frontend=CONTINUOUS, buckets=[32, 256], max_batch_size=1,
+                                    warmup=True, warmup_repeats=1)
+    frontend = ContinuousFrontend(handler, context)
+    for i in range(30):
+        frontend.submit(f"long{i}", LONG + f" {i}", headers={"X-Deadline-Ms": "300"})
+    first = set(frontend.step())
+    replies = frontend.drain()
+    refused = {rid for rid, r in replies.items() if r.status == 503}
+    assert refused and refused <= first  # refused in the first call, at once
+    assert all("ms of work ahead" in replies[rid].body["error"] and replies[rid].headers.get("Retry-After") == "1"
+               for rid in refused)
+    admitted = set(replies) - refused
+    assert "long0" in admitted  # an empty lane always takes one
+    assert all(replies[rid].status in (200, 504) for rid in admitted)

@@ -453,3 +453,29 @@ def test_free_in_is_zero_when_the_profile_does_not_know_the_running_shape(make_e
     engine.submit([ticket(256)])
     assert _until(lambda: len(isolator.calls) == 1)
     assert engine.free_in() == 0.0  # unknown: go back for arrivals after poll_ms, as without a profile
+
+
+def test_a_request_whose_lane_has_more_work_queued_than_its_deadline_allows_is_refused_at_once():
+    """Admission by deadline: what its lane has queued (in passes of each bucket's cap, the
+    profile's times) plus its own pass must end before the deadline; otherwise 503 now, not 504
+    after waiting. The other lane's requests are not refused for it."""
+    pass_s = {16: 0.010, 32: 0.010, 64: 0.010, 128: 0.100, 256: 0.100}
+    scheduler = Scheduler(SchedulerPolicy(edges=EDGES, max_wait=0.5, queue_cap=1000, age_bound=10.0,
+                                          priority_aging=0.0), lambda b: batch_cap(b, TOKENS))
+    clock = lambda: 0.0  # noqa: E731 - the engine's lanes are not started: time stands still
+    engine = Engine(scheduler, FakeIsolator(), split_lanes(EDGES, 128), deliver=lambda t, a: None,
+                    clock=clock, pass_seconds=pass_s.get)
+
+    def long_ticket():
+        item = Item(index=0, text="long", length=250, bucket=256)
+        return Ticket(item, 0.0, deadline=1.0)
+
+    accepted = 0
+    with pytest.raises(Overloaded, match="ms of work ahead") as refused:
+        while accepted < 100:
+            engine.submit([long_ticket()])  # each adds a 100 ms pass (cap 1) to the long lane
+            accepted += 1
+    assert accepted == 10 and refused.value.reason == "deadline"  # 9 ahead + its own = 1.0 s: the last that fits
+    engine.submit([Ticket(Item(index=0, text="short", length=10, bucket=16), 0.0, deadline=0.05)])
+    engine.submit([Ticket(Item(index=0, text="no deadline", length=250, bucket=256), 0.0)])
+    assert len(scheduler) == 12
