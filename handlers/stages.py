@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Collection, Sequence
@@ -28,6 +29,9 @@ JSON = "application/json"
 BATCH_SIZE_HEADER = "x-tsbatch-batch-size"  # requests in the pass that computed the answer
 WORKER_HEADER = "x-tsbatch-worker"  # pid of the worker process that answered
 PADDED_HEADER = "x-tsbatch-padded-to"  # tokens the request was padded to (its bucket's edge)
+# ms, from when the handler first saw the request: in tsbatch's queue, its pass, and until its
+# answer was written (the rest of what a client measures is TorchServe's: frontend, socket, reply)
+TIMING_HEADER = "x-tsbatch-timing"
 PRIORITY_HEADER = "x-priority"
 DEADLINE_HEADER = "x-deadline-ms"
 RETRY_AFTER_SECONDS = "1"
@@ -116,6 +120,11 @@ def answer(call: Call, context) -> list[str]:
         if answered.bucket:
             context.set_response_header(index, PADDED_HEADER, bucket_label(answered.bucket))
         context.set_response_header(index, WORKER_HEADER, str(os.getpid()))
+        if answered.started:
+            ms = lambda seconds: f"{seconds * 1000:.1f}"  # noqa: E731
+            context.set_response_header(index, TIMING_HEADER, f"wait={ms(answered.started - answered.arrived)}; "
+                                        f"pass={ms(answered.finished - answered.started)}; "
+                                        f"handler={ms(time.monotonic() - answered.arrived)}")
         if isinstance(outcome, ServingError):
             context.set_response_status(outcome.status, HTTPStatus(outcome.status).phrase, idx=index)
             if isinstance(outcome, Overloaded):

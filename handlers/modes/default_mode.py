@@ -2,6 +2,8 @@
 bucket first, each planned batch run with isolation; every request is answered in the call."""
 from __future__ import annotations
 
+import time
+
 from tsbatch.handlers.buckets import plan_batches
 from tsbatch.handlers.scheduler import Answer
 from tsbatch.handlers.stages import Call, answer, prepare
@@ -17,13 +19,16 @@ class DefaultMode:
         """Never raises: a raise would fail every request of the frontend's batch."""
         w = self.worker
         call = Call.of(len(data), batch_size=len(data))
+        arrived = time.monotonic()
         try:
             items = prepare(w.model, w.edges, w.unfit, data, context, call)
             for batch in plan_batches(items, w.cap_for):
+                started = time.monotonic()
                 results, report = w.isolator.execute(batch)
+                finished = time.monotonic()
                 w.after_batch(batch, report)
                 for item, outcome in zip(batch.items, results):
-                    call.settle(item.index, Answer(outcome, len(data), batch.bucket))
+                    call.settle(item.index, Answer(outcome, len(data), batch.bucket, arrived, started, finished))
         except Exception as error:  # noqa: BLE001 - a bug here must not fail the worker
             call.fail_unanswered(error)
         return answer(call, context)

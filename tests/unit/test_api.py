@@ -139,3 +139,18 @@ def test_a_model_that_returns_a_bad_length_fails_that_request_with_a_clear_error
 def test_a_handler_without_a_model_says_what_to_write():
     with pytest.raises(NotImplementedError, match="load_model"):
         TsbatchHandler().initialize(FakeContext({"warmup": False}))
+
+
+def test_every_answer_that_ran_says_where_its_time_in_the_handler_went():
+    from tsbatch.handlers.stages import TIMING_HEADER
+
+    handler, context = load(warmup=False)
+    answers = serve(handler, context, ["a bb", " ".join(["w"] * 40), ""])
+    timings = []
+    for status, _, headers in answers[:2]:
+        fields = dict(part.strip().split("=") for part in headers[TIMING_HEADER].split(";"))
+        timings.append({k: float(v) for k, v in fields.items()})
+    assert all(set(t) == {"wait", "pass", "handler"} for t in timings)
+    assert all(t["wait"] >= 0 and t["pass"] >= 0 and t["handler"] >= t["wait"] + t["pass"] - 0.1 for t in timings)
+    assert timings[1]["wait"] >= timings[0]["wait"]  # the long bucket ran after the short one
+    assert TIMING_HEADER not in answers[2][2]  # refused before any pass: nothing to say
