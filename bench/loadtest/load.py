@@ -33,6 +33,15 @@ class Result:
     padded_to: int = 0
     batch_size: int = 0
     error: str = ""
+    timing: dict = field(default_factory=dict)  # x-tsbatch-timing: wait, pass, handler (ms)
+
+
+def timing_of(header: str) -> dict:
+    """x-tsbatch-timing "wait=1.0; pass=11.2; handler=13.0" as {"wait": 1.0, ...}; {} if absent or odd."""
+    try:
+        return {k.strip(): float(v) for k, v in (part.split("=") for part in header.split(";") if part.strip())}
+    except ValueError:
+        return {}
 
 
 @dataclass
@@ -56,6 +65,7 @@ def as_result(request: Request, sent: float, shot: Shot) -> Result:
         tokens=int(match.group(1)) if match else 0,
         padded_to=int(shot.headers.get("x-tsbatch-padded-to", "0") or 0),
         batch_size=int(shot.headers.get("x-tsbatch-batch-size", "0") or 0),
+        timing=timing_of(shot.headers.get("x-tsbatch-timing", "")),
     )
 
 

@@ -6,7 +6,7 @@ make a p99 in one report mean something else than in the next (or than warmup's 
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 from tsbatch.warmup.profile import percentile  # noqa: F401 - the project's one percentile (pure, no torch)
 
@@ -48,4 +48,18 @@ def summarize(run: RunResult) -> dict:
         lat = [r.latency * 1000 for r in ok if kind == "all" or r.kind == kind]
         out[kind] = {f"p{q}": (round(percentile(lat, q), 1) if lat else None) for q in (50, 95, 99)}
         out[kind]["n"] = len(lat)
+    out["short_breakdown_ms"] = breakdown([r for r in ok if r.kind == "short"])
     return out
+
+
+def breakdown(results: Sequence) -> dict:
+    """Medians of where answered requests' time went (x-tsbatch-timing): in tsbatch's queue, the
+    pass, the handler in all, and the rest of what the client measured (TorchServe's frontend,
+    the socket to the worker, the reply); {} when the server sends no timing."""
+    timed = [r for r in results if r.timing.keys() >= {"wait", "pass", "handler"}]
+    if not timed:
+        return {}
+    med = lambda values: round(percentile(values, 50), 1)  # noqa: E731
+    return {"n": len(timed), "wait": med([r.timing["wait"] for r in timed]),
+            "pass": med([r.timing["pass"] for r in timed]), "handler": med([r.timing["handler"] for r in timed]),
+            "outside_handler": med([r.latency * 1000 - r.timing["handler"] for r in timed])}

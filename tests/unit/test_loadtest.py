@@ -257,3 +257,15 @@ def test_the_library_loads_neither_torch_nor_torchserve():
     modules = [f"bench.loadtest.{m[:-3]}" for m in os.listdir(os.path.join(BENCH, "loadtest")) if m.endswith(".py")]
     assert len(modules) >= 10
     assert imported_heavy_modules(*modules, "bench.drills.overload", "bench.drills.kill") == []
+
+
+def test_the_timing_header_becomes_a_breakdown_of_where_time_went():
+    from bench.loadtest.load import Result, timing_of
+    from bench.loadtest.stats import breakdown
+
+    assert timing_of("wait=1.5; pass=11.0; handler=14.0") == {"wait": 1.5, "pass": 11.0, "handler": 14.0}
+    assert timing_of("") == {} and timing_of("wait=soon") == {}
+    results = [Result("short", 0.0, 0.020 + i / 1000, 200, timing={"wait": 1.0, "pass": 10.0, "handler": 12.0})
+               for i in range(3)] + [Result("short", 0.0, 0.5, 200)]  # untimed: left out
+    assert breakdown(results) == {"n": 3, "wait": 1.0, "pass": 10.0, "handler": 12.0, "outside_handler": 9.0}
+    assert breakdown([Result("short", 0.0, 0.5, 200)]) == {}

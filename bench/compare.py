@@ -1,0 +1,112 @@
+"""Two checkouts side by side: the archive each one's `tsbatch archive` builds from one latency
+profile, served by one torchserve (one worker each; the .mar carries its own tsbatch), the same
+open-loop short/long mix sent to each in turns at every rate. For before/after figures of a change.
+
+    python bench/compare.py --before /path/to/other/.venv/bin/python [--rates 14,30] [--seconds 20]
+        [--rounds 3] [--profile P] [--out bench/results/compare]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from tsbatch.archiver import server  # noqa: E402
+from bench.loadtest import report as reports  # noqa: E402
+from bench.loadtest.arrivals import poisson_arrivals  # noqa: E402
+from bench.loadtest.load import run_open_loop  # noqa: E402
+from bench.loadtest.stats import percentile, summarize  # noqa: E402
+from bench.loadtest.workload import make_requests  # noqa: E402
+
+
+def build(python: str, store: str, name: str, profile: str | None) -> str:
+    """`tsbatch archive` of the checkout `python` runs, tuned from `profile` (taken here if None)."""
+    cmd = [python, "-m", "tsbatch.archiver", "archive", "--name", name, "--out", store]
+    subprocess.run(cmd + (["--profile", profile] if profile else []), check=True, stdout=subprocess.DEVNULL,
+                   cwd=tempfile.gettempdir())
+    return profile or os.path.join(store, f"{name}.latency_profile.json")
+
+
+def checkout_of(python: str) -> str:
+    code = "import tsbatch.handlers, os; print(os.path.dirname(os.path.dirname(tsbatch.handlers.__file__)))"
+    root = subprocess.run([python, "-c", code], check=True, capture_output=True, text=True).stdout.strip()
+    head = subprocess.run(["git", "-C", root, "log", "-1", "--format=%h %s"], capture_output=True, text=True).stdout
+    return f"{root} at {head.strip()[:90]}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--before", required=True, help="the Python of the other checkout's venv")
+    parser.add_argument("--rates", default="14,30")
+    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--profile", help="latency profile both archives are tuned from (default: take one here)")
+    parser.add_argument("--out", default=os.path.join(reports.RESULTS, "compare"))
+    args = parser.parse_args()
+    server.stop_on_sigterm()
+    root = tempfile.mkdtemp(prefix="tsbatch-compare-")
+    store = os.path.join(root, "store")
+    profile = build(sys.executable, store, "after", args.profile)
+    build(args.before, store, "before", profile)
+    arms = {"before": checkout_of(args.before), "after": checkout_of(sys.executable)}
+    rates = [float(r) for r in args.rates.split(",")]
+    report = {"machine": reports.machine(), "started": reports.utc_now(), "seconds": args.seconds,
+              "rounds": args.rounds, "arms": arms, "points": {}}
+    requests = make_requests(int(max(rates) * args.seconds * 2), seed=7)
+    with server.local_server(os.path.join(root, "serve"), store, list(arms), timeout=900) as served:
+        for rate in rates:
+            windows: dict[str, list[dict]] = {name: [] for name in arms}
+            for r in range(args.rounds):
+                for name in (list(arms) if r % 2 == 0 else list(reversed(arms))):
+                    arrivals = poisson_arrivals(rate, args.seconds, seed=100 + r)
+                    run = run_open_loop(f"{served.inference}/predictions/{name}", requests[:len(arrivals)],
+                                        arrivals, rate, args.seconds, timeout=60)
+                    point = summarize(run)
+                    windows[name].append(point)
+                    print(f"{rate:g} req/s round {r} {name}: short p50 {point['short']['p50']} p99 "
+                          f"{point['short']['p99']} long p99 {point['long']['p99']} not 200 {point['sent'] - point['ok']}",
+                          flush=True)
+            report["points"][f"{rate:g}"] = {name: pooled(w) for name, w in windows.items()}
+    reports.write(args.out, report, markdown(report))
+    print(markdown(report))
+
+
+def pooled(windows: list[dict]) -> dict:
+    """Medians over the rounds' windows, and each round's short p99."""
+    med = lambda key, kind: percentile([w[kind][key] for w in windows if w[kind][key] is not None], 50)  # noqa: E731
+    return {"sent": sum(w["sent"] for w in windows), "not_200": sum(w["sent"] - w["ok"] for w in windows),
+            "short_p50": med("p50", "short"), "short_p99": med("p99", "short"),
+            "short_p99_per_round": [w["short"]["p99"] for w in windows],
+            "long_p50": med("p50", "long"), "long_p99": med("p99", "long"), "all_p99": med("p99", "all"),
+            "short_breakdown_ms": [w.get("short_breakdown_ms", {}) for w in windows]}
+
+
+def markdown(report: dict) -> str:
+    lines = [f"# Before / after, side by side ({report['started']}, {report['machine']})", "",
+             f"`python bench/compare.py`: one torchserve, one worker per arm, {report['seconds']:g} s windows, "
+             f"{report['rounds']} rounds per rate, arms in turns (order alternating), figures the median of the "
+             "rounds' windows (ms). Arms:", ""]
+    lines += [f"- {name}: {where}" for name, where in report["arms"].items()]
+    lines += ["", "| req/s | arm | sent | not 200 | short p50 | short p99 | short p99 per round | long p50 | long p99 | all p99 |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for rate, arms in report["points"].items():
+        for name, p in arms.items():
+            lines.append(f"| {rate} | {name} | {p['sent']} | {p['not_200']} | {p['short_p50']} | {p['short_p99']} | "
+                         f"{p['short_p99_per_round']} | {p['long_p50']} | {p['long_p99']} | {p['all_p99']} |")
+    lines += ["", "Where a short request's time went, median per round (ms; x-tsbatch-timing: wait in tsbatch's "
+              "queue, pass, handler in all, and outside the handler: TorchServe's frontend, socket and reply):", ""]
+    for rate, arms in report["points"].items():
+        for name, p in arms.items():
+            lines.append(f"- {rate} req/s, {name}: " + "; ".join(
+                ", ".join(f"{k} {v}" for k, v in b.items() if k != "n") or "no timing header"
+                for b in p["short_breakdown_ms"]))
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
