@@ -188,7 +188,11 @@ def test_scaling_one_to_three_to_one_under_load_answers_every_request(shipped):
     assert len(died) <= 5, f"{len(died)} of {len(shots)} failed at the scale-down"
     shed = [s for s in shots if s.status == 503]
     assert all(s.headers.get("retry-after") and b"retry" in s.body for s in shed), [s.body[:80] for s in shed]
-    assert {s.status for s in shots} <= {200, 500, 503}
+    # the archive as built answers within its deadline (twice the p99 target) or says 504: a request
+    # caught behind the warming workers' CPU is answered 504 at its deadline, not late
+    late = [s for s in shots if s.status == 504]
+    assert all(b"deadline" in s.body for s in late), [s.body[:80] for s in late]
+    assert {s.status for s in shots} <= {200, 500, 503, 504}
     assert sum(s.status == 200 for s in shots) >= len(shots) // 2, by_status(shots)
     assert len({s.headers.get(WORKER_HEADER) for s in shots}) >= 2, "one worker served everything"
 
