@@ -50,7 +50,6 @@ class Engine:
                  deliver: Callable[[Ticket, Answer], None], clock: Callable[[], float] = time.monotonic,
                  on_batch: Callable[..., None] | None = None,
                  on_lane_start: Callable[[int], None] | None = None,
-                 cores: int = 0, use_threads: Callable[[int, int], None] | None = None,
                  pass_seconds: Callable[[int], float] | None = None,
                  typical_pass: Callable[[int, int], float] | None = None):
         self.scheduler = scheduler
@@ -62,14 +61,9 @@ class Engine:
         self.clock = clock
         self.on_batch = on_batch or (lambda *args: None)
         self.on_lane_start = on_lane_start or (lambda lane: None)
-        # the worker's intra-op threads, shared by the lanes as the load goes (split_threads);
-        # use_threads(lane, count) is called from that lane's thread before a pass
-        self.cores = cores
-        self.use_threads = use_threads
         self.cond = threading.Condition()
         self.lanes = [tuple(lane) for lane in lanes]
         self.busy = [False] * len(self.lanes)  # guarded by cond: lane i is running a pass
-        self.lane_threads = [0] * len(self.lanes)  # guarded by cond: threads lane i last ran with
         # guarded by cond: when lane i's pass started and how long such a pass typically takes
         self.passes = [(0.0, 0.0)] * len(self.lanes)
         self.stopping = False  # guarded by cond
@@ -143,33 +137,16 @@ class Engine:
                     return
                 self.cond.wait(timeout=self.scheduler.time_until_ready(now, buckets + helped, self.pass_seconds))
                 return
-            threads = 0
             if picked is not None:
                 self.busy[index] = True
                 self.passes[index] = (now, self.typical_pass(picked[0].size, picked[0].bucket))
-                threads = self._threads_for(index)
                 self.cond.notify_all()  # a later lane may now help with what this one leaves queued
-        if threads:
-            self.use_threads(index, threads)
         try:
             self._run(expired, picked)
         finally:
             with self.cond:
                 self.busy[index] = False
                 self.cond.notify_all()  # a lane waiting to help re-checks who is busy
-
-    def _threads_for(self, index: int) -> int:
-        """Threads for the pass lane `index` starts now, or 0 to keep its last count: the worker's
-        cores less what the other busy lanes run with (at least one). A short pass while the long
-        lane idles gets every core instead of a fixed half. Called under cond."""
-        if not self.use_threads or not self.cores:
-            return 0
-        others = sum(self.lane_threads[i] for i in range(len(self.lanes)) if i != index and self.busy[i])
-        count = max(1, self.cores - others)
-        if count == self.lane_threads[index]:
-            return 0
-        self.lane_threads[index] = count
-        return count
 
     def free_in(self) -> float:
         """Seconds until some lane can start new work: 0 while one is idle (or the profile does not

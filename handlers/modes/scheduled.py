@@ -33,7 +33,6 @@ class ScheduledMode:
         socket_guard.install()
         self.engine = Engine(Scheduler(policy, worker.cap_for, worker.typical_pass), worker.isolator, [lane for lane, _ in lanes],
                              deliver=self.deliver, on_batch=self._on_batch, on_lane_start=self._on_lane_start,
-                             cores=sum(threads for _, threads in lanes), use_threads=self._use_threads,
                              pass_seconds=worker.pass_seconds, typical_pass=worker.typical_pass).start()
 
     def close(self) -> None:
@@ -82,8 +81,4 @@ class ScheduledMode:
 
     def _on_lane_start(self, index: int) -> None:
         self.worker.model.use_threads(self.lanes[index][1], background=index > 0)
-
-    def _use_threads(self, index: int, count: int) -> None:
-        """From lane `index`'s thread, before a pass: the threads the engine split for it."""
-        self.worker.model.use_threads(count, background=index > 0)
 

@@ -138,12 +138,12 @@ def ticket(bucket: int, deadline_in: float | None = None) -> Ticket:
 def make_engine():
     isolators = []
 
-    def make(isolator=None, lanes=(EDGES,), on_batch=None, cores=0, use_threads=None, **overrides):
+    def make(isolator=None, lanes=(EDGES,), on_batch=None, **overrides):
         isolator = isolator or FakeIsolator()
         isolators.append(isolator)
         deliveries = Deliveries()
         engine = Engine(make_scheduler(policy(**overrides)), isolator, list(lanes), deliveries,
-                        on_batch=on_batch, cores=cores, use_threads=use_threads).start()
+                        on_batch=on_batch).start()
         engines.append(engine)
         return engine, isolator, deliveries
 
@@ -479,23 +479,3 @@ def test_a_request_whose_lane_has_more_work_queued_than_its_deadline_allows_is_r
     engine.submit([Ticket(Item(index=0, text="short", length=10, bucket=16), 0.0, deadline=0.05)])
     engine.submit([Ticket(Item(index=0, text="no deadline", length=250, bucket=256), 0.0)])
     assert len(scheduler) == 12
-
-
-def test_a_lane_runs_with_the_cores_the_other_busy_lanes_leave(make_engine):
-    """Two lanes on 2 cores: a short pass while the long lane idles gets both; one that starts
-    while a long pass runs gets the one left (never none); the long lane then keeps its two."""
-    calls = []
-    isolator = FakeIsolator(block={256})
-    engine, isolator, deliveries = make_engine(isolator=isolator, lanes=split_lanes(EDGES, 128), cores=2,
-                                               use_threads=lambda lane, count: calls.append((lane, count)),
-                                               max_wait=0.0)
-    engine.submit([ticket(16)])
-    assert deliveries.wait_count(1)
-    assert calls == [(0, 2)]  # alone: every core
-    engine.submit([ticket(256)])
-    assert isolator.entered.wait(WAIT)  # the long pass runs, with both cores (the short lane is idle)
-    engine.submit([ticket(16)])
-    assert deliveries.wait_count(2)
-    isolator.release.set()
-    assert deliveries.wait_count(3)
-    assert calls == [(0, 2), (1, 2), (0, 1)]
