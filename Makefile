@@ -27,6 +27,7 @@ help:
 	@echo "make stop     stop that torchserve"
 	@echo "make archive  build $(STORE)/NAME.mar and $(STORE)/config.properties [MODEL_DIR=… NAME=… TASK=…]"
 	@echo "make test     set up and run the whole test suite"
+	@echo "make test-wheel  the examples from the wheel installed with its dependencies in a fresh venv (CI runs it)"
 	@echo "make bench    tsbatch against TorchServe's stock batching, side by side (bench/results/bench.*)"
 	@echo "make bench-warmup  first request vs steady state per shape, warmup and compile on/off"
 	@echo "make bench-idle    one pass after idle pauses of 1-200 ms: how cold a waiting worker gets"
