@@ -209,9 +209,13 @@ def test_a_worker_killed_while_its_siblings_serve(shipped):
         killed = time.monotonic()
         time.sleep(5)
     assert not [s for s in shots if not s.answered], "a request got no answer"
-    after = [s for s in shots if s.sent > killed + 1.0]
+    # while the replacement warms on the same two cores the siblings slow down: a request that
+    # could not be answered within the archive's deadline gets 504 saying so, never a late answer
+    late = [s for s in shots if s.status == 504 and b"deadline" in s.body]
+    after = [s for s in shots if s.sent > killed + 1.0 and s not in late]
     assert after and all(s.status == 200 for s in after), sorted({s.status for s in after})
-    failed = [s for s in shots if s.status != 200]
+    assert len(late) <= len(shots) // 4, f"{len(late)} of {len(shots)} past their deadline"
+    failed = [s for s in shots if s.status != 200 and s not in late]
     assert all(s.status >= 500 and s.sent < killed + 1.0 for s in failed), [(s.status, s.body[:80]) for s in failed]
     wait_until(lambda: len([w for w in server.workers(shipped.management, NAME) if w["status"] == "READY"]) == 3
                and victim not in worker_pids(shipped.management, NAME), 600, what="the killed worker replaced")
