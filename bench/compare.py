@@ -3,7 +3,11 @@ profile, served by one torchserve (one worker each; the .mar carries its own tsb
 open-loop short/long mix sent to each in turns at every rate. For before/after figures of a change.
 
     python bench/compare.py --before /path/to/other/.venv/bin/python [--rates 14,30] [--seconds 20]
-        [--rounds 3] [--profile P] [--out bench/results/compare]
+        [--rounds 3] [--profile P] [--out bench/results/compare] [--short-only] [--control]
+
+--short-only sends short texts only (2-24 words), where length buckets have nothing to gain;
+--control adds a third arm: make bench's control (b), first come first served under TorchServe's
+batching (batchSize 8, maxBatchDelay 10), each batch padded to its longest input.
 """
 from __future__ import annotations
 
@@ -21,7 +25,15 @@ from bench.loadtest import report as reports  # noqa: E402
 from bench.loadtest.arrivals import poisson_arrivals  # noqa: E402
 from bench.loadtest.load import run_open_loop  # noqa: E402
 from bench.loadtest.stats import percentile, summarize  # noqa: E402
-from bench.loadtest.workload import make_requests  # noqa: E402
+from bench.loadtest.workload import Mix, make_requests  # noqa: E402
+from tsbatch.archiver.cli import default_model_dir  # noqa: E402
+from tsbatch.archiver.package import ArchiveSpec, build_archive  # noqa: E402
+from tsbatch.archiver.properties import model_config  # noqa: E402
+from tsbatch.archiver.tune import frontend_keys  # noqa: E402
+
+CONTROL = "bench/controls/control_pad_longest.py"
+CONTROL_FRONTEND = {"batchSize": 8, "maxBatchDelay": 10, "minWorkers": 1, "maxWorkers": 1, **frontend_keys("default")}
+SHORT_ONLY = Mix(long_share=0.0, short_median_words=10, short_max_words=24)
 
 
 def build(python: str, store: str, name: str, profile: str | None) -> str:
@@ -47,6 +59,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--profile", help="latency profile both archives are tuned from (default: take one here)")
     parser.add_argument("--out", default=os.path.join(reports.RESULTS, "compare"))
+    parser.add_argument("--short-only", action="store_true", help="short texts only (2-24 words)")
+    parser.add_argument("--control", action="store_true", help="add make bench's control (b)")
     args = parser.parse_args()
     server.stop_on_sigterm()
     root = tempfile.mkdtemp(prefix="tsbatch-compare-")
@@ -54,15 +68,20 @@ def main() -> None:
     profile = build(sys.executable, store, "after", args.profile)
     build(args.before, store, "before", profile)
     arms = {"before": checkout_of(args.before), "after": checkout_of(sys.executable)}
+    if args.control:
+        build_archive(ArchiveSpec(default_model_dir(), "control", model_config({"task": "embedding"}, CONTROL_FRONTEND),
+                                  store, extra_files={"control_pad_max.py": os.path.join(REPO, "bench/controls/control_pad_max.py")},
+                                  handler=CONTROL))
+        arms["control"] = "make bench's control (b): TorchServe batching, first come first served, padded to the longest"
     rates = [float(r) for r in args.rates.split(",")]
     report = {"machine": reports.machine(), "started": reports.utc_now(), "seconds": args.seconds,
-              "rounds": args.rounds, "arms": arms, "points": {}}
-    requests = make_requests(int(max(rates) * args.seconds * 2), seed=7)
+              "rounds": args.rounds, "arms": arms, "short_only": args.short_only, "points": {}}
+    requests = make_requests(int(max(rates) * args.seconds * 2), SHORT_ONLY if args.short_only else Mix(), seed=7)
     with server.local_server(os.path.join(root, "serve"), store, list(arms), timeout=900) as served:
         for rate in rates:
             windows: dict[str, list[dict]] = {name: [] for name in arms}
             for r in range(args.rounds):
-                for name in (list(arms) if r % 2 == 0 else list(reversed(arms))):
+                for name in list(arms)[r % len(arms):] + list(arms)[:r % len(arms)]:  # who goes first rotates
                     arrivals = poisson_arrivals(rate, args.seconds, seed=100 + r)
                     run = run_open_loop(f"{served.inference}/predictions/{name}", requests[:len(arrivals)],
                                         arrivals, rate, args.seconds, timeout=60)
@@ -89,8 +108,9 @@ def pooled(windows: list[dict]) -> dict:
 def markdown(report: dict) -> str:
     lines = [f"# Before / after, side by side ({report['started']}, {report['machine']})", "",
              f"`python bench/compare.py`: one torchserve, one worker per arm, {report['seconds']:g} s windows, "
-             f"{report['rounds']} rounds per rate, arms in turns (order alternating), figures the median of the "
-             "rounds' windows (ms). Arms:", ""]
+             f"{report['rounds']} rounds per rate, arms in turns (who goes first rotates), figures the median of "
+             "the rounds' windows (ms)" + ("; short texts only (2-24 words)" if report.get("short_only") else
+                                           "; the make bench mix (85% short, 15% long)") + ". Arms:", ""]
     lines += [f"- {name}: {where}" for name, where in report["arms"].items()]
     lines += ["", "| req/s | arm | sent | not 200 | short p50 | short p99 | short p99 per round | long p50 | long p99 | all p99 |",
               "|---|---|---|---|---|---|---|---|---|---|"]
