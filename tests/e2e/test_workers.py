@@ -118,7 +118,9 @@ def burst_texts(count: int) -> list[bytes]:
 
 
 def check_burst(served) -> None:
-    """24 mixed requests at once, one malformed: it alone fails, every other one is answered 200."""
+    """24 mixed requests at once, one malformed: it alone fails with 400; every other one is
+    answered, 200 unless the archive's deadline (twice its p99 target) cannot be kept on this
+    shared machine, which refuses it at once (503) or answers 504 saying so, never late."""
     url = f"{served.inference}/predictions/{NAME}"
     load = Load()
     try:
@@ -127,7 +129,12 @@ def check_burst(served) -> None:
         shots = [f.result(timeout=180) for f in futures]
     finally:
         load.close(1)
-    assert [s.status for s in shots] == [400 if i == 5 else 200 for i in range(24)], [s.error for s in shots]
+    assert all(s.answered for s in shots), [s.error for s in shots]
+    assert shots[5].status == 400
+    others = shots[:5] + shots[6:]
+    past_deadline = [s for s in others if s.status in (503, 504) and b"deadline" in s.body]
+    assert all(s.status == 200 for s in others if s not in past_deadline), [(s.status, s.body[:80]) for s in others]
+    assert len(past_deadline) <= len(others) // 4, f"{len(past_deadline)} of {len(others)} past their deadline"
 
 
 def test_a_mixed_burst_over_three_workers_is_answered_in_full(shipped):
