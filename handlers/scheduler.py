@@ -2,7 +2,7 @@
 bucket, batches chosen by policy.
 
 A batch leaves a bucket when its token budget is full or its oldest request has held for company
-as long as that pays (handlers/waiting.py: at most max_wait, and not at all at light load). Among ready buckets: higher priority first (a request gains one class per
+only when the worker needs batches (handlers/waiting.py: max_wait under load, not at all at light load). Among ready buckets: higher priority first (a request gains one class per
 `priority_aging` seconds waited, so low never starves), then the shortest bucket — unless some
 bucket's oldest request has waited `age_bound`, which then goes first. Requests that could no
 longer finish by their deadline (now plus the time their own pass takes) leave through `expire`
@@ -116,7 +116,7 @@ class Scheduler:
                 f"this worker has {len(self)} requests waiting (cap {self.policy.queue_cap}): retry shortly"
             )
         self.queues[ticket.item.bucket].append(ticket)
-        self.arrivals.arrived(ticket.item.bucket, ticket.arrived)
+        self.arrivals.arrived(ticket.arrived)
 
     def backlog(self, buckets: Iterable[Bucket], pass_seconds: Callable[[Bucket], float]) -> float:
         """Seconds of passes queued in these buckets: each bucket's waiting requests in batches of
@@ -150,8 +150,7 @@ class Scheduler:
         oldest = min(t.arrived for t in queue)
         if self._pass_time is None:
             return oldest + self.policy.max_wait
-        return release_at(len(queue), oldest, self.arrivals, bucket, lambda size: self._pass_time(size, bucket),
-                          self.policy.max_wait)
+        return release_at(oldest, self._pass_time(1, bucket), self.arrivals, self.policy.max_wait)
 
     def next_batch(self, now: float, buckets: Iterable[int] | None = None) -> tuple[Batch, list[Ticket]] | None:
         """The batch to run now among `buckets` (default all), with its tickets; None if none is ready."""

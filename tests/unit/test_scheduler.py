@@ -177,27 +177,23 @@ def test_time_until_ready_takes_the_soonest_bucket():
     assert s.time_until_ready(0.3) == pytest.approx(0.2)  # 128's ticket, due at 0.5
 
 
-def test_a_bucket_holds_for_company_only_while_its_traffic_is_dense():
-    """With a latency profile the hold is handlers/waiting.py's: a lone request runs at once; a
-    bucket whose requests arrive much faster than a pass holds until its next arrival is overdue."""
+def test_a_bucket_holds_for_company_only_while_the_worker_needs_batches():
+    """With a latency profile the hold is handlers/waiting.py's: while arrivals come less often
+    than one per two single-request passes a request runs at once; faster, it holds max_wait."""
     s = Scheduler(policy(max_wait=0.5), lambda bucket: batch_cap(bucket, TOKENS),
                   pass_time=lambda size, bucket: 0.010 + 0.0001 * size)
     first = ticket(16, arrived=0.0)
     s.submit(first)
-    assert s.time_until_ready(0.0, [16]) == 0.0  # nothing known of the bucket's traffic: run now
+    assert s.time_until_ready(0.0, [16]) == 0.0  # nothing known of the traffic: run now
     assert ids(take(s, 0.0)[1]) == ids([first])
-    for at in (1.0, 1.001):  # the gaps so far: a second, a millisecond
+    for at in (0.1, 0.2, 0.3):  # one every 100 ms: a pass of one (10 ms) keeps up
         s.submit(ticket(16, arrived=at))
-        take(s, at)
-    s.submit(ticket(16, arrived=1.002))  # now most gaps are a millisecond: the next is due soon
-    assert s.next_batch(1.002) is None
-    # patience: T(1) / 2 - (T(2) - T(1)) = 4.95 ms after the last arrival, far below max_wait
-    assert s.time_until_ready(1.002, [16]) == pytest.approx(0.00495)
-    s.submit(ticket(16, arrived=1.003))
-    assert s.next_batch(1.006) is None  # two wait: patience T(1) / 3 - (T(4) - T(2)) / 2 = 3.27 ms
-    assert len(take(s, 1.0063)[1]) == 2  # the next arrival is overdue: one pass for both
-    s.submit(ticket(64, arrived=1.003))
-    assert take(s, 1.003, [64])[0].bucket == 64  # another bucket's traffic is its own
+        assert len(take(s, at)[1]) == 1
+    for at in (0.301, 0.302, 0.303, 0.304):  # now most gaps are a millisecond: fill batches
+        s.submit(ticket(16, arrived=at))
+    assert s.next_batch(0.304) is None
+    assert s.time_until_ready(0.304, [16]) == pytest.approx(0.301 + 0.5 - 0.304)
+    assert len(take(s, 0.801)[1]) == 4  # the oldest's max_wait is up: one pass for all four
 
 
 def test_shortest_ready_bucket_goes_first_even_when_the_longer_one_is_older():
