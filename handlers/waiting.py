@@ -8,9 +8,9 @@ median gap of the last 8) come less often than one per two single-request passes
 time, and a newcomer rarely finds it busy. Once they come faster, a bucket's oldest request holds
 up to `max_wait_ms` for company, as before, so batches fill and capacity holds.
 
-Measured side by side (bench/compare.py): at 14 req/s of the make bench mix a short request no
-longer waits `max_wait_ms` (11 ms tuned here) for company that does not come (short p50 46.9 ->
-33.0 ms); a first version that also skipped the hold under load (holding only while a bucket's own
+Measured side by side (bench/compare.py, bench/results/light-load.md): at 14 req/s of the make
+bench mix a short request no longer waits `max_wait_ms` (11 ms tuned here) for company that does
+not come (short p50 46.4 -> 35.4 ms); a first version that also skipped the hold under load (holding only while a bucket's own
 gaps were below T(1)/(n + 1)) lost capacity on short texts alone at 90 req/s (p99 206 vs 150 ms).
 Without a profile (warmup off) the hold is always `max_wait_ms`.
 
