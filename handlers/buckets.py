@@ -89,7 +89,7 @@ def edges_per_size(edges: Sequence[Bucket]) -> list:
 
 def bucket_order(bucket: Bucket) -> tuple:
     """Shortest first: by what a row costs, then by the edges."""
-    return (bucket_tokens(bucket), bucket if isinstance(bucket, tuple) else (bucket,))
+    return (bucket_tokens(bucket), sizes(bucket))
 
 
 def bucket_grid(edges_per_size: Sequence[Sequence[int]]) -> tuple[Bucket, ...]:
@@ -131,8 +131,7 @@ def check_edges(edges: Sequence[int], max_length: int) -> tuple[int, ...]:
 def bucket_for(length: Bucket, edges: Sequence[Bucket]) -> Bucket:
     """The smallest bucket that holds `length` (in every size, for several)."""
     if isinstance(length, tuple):
-        holding = [b for b in edges if isinstance(b, tuple) and len(b) == len(length)
-                   and all(size <= edge for size, edge in zip(length, b))]
+        holding = [b for b in edges if isinstance(b, tuple) and len(b) == len(length) and holds(b, length)]
         if not holding:
             raise ValueError(f"length {bucket_label(length)} exceeds the largest bucket {bucket_label(max(edges, key=bucket_order))}")
         return min(holding, key=bucket_order)

@@ -2,7 +2,8 @@
 bucket, batches chosen by policy.
 
 A batch leaves a bucket when its token budget is full or its oldest request has held for company
-only when the worker needs batches (handlers/waiting.py: max_wait under load, not at all at light load). Among ready buckets: higher priority first (a request gains one class per
+as long as the worker needs batches (handlers/waiting.py: max_wait under load, not at all at
+light load). Among ready buckets: higher priority first (a request gains one class per
 `priority_aging` seconds waited, so low never starves), then the shortest bucket — unless some
 bucket's oldest request has waited `age_bound`, which then goes first. Requests that could no
 longer finish by their deadline (now plus the time their own pass takes) leave through `expire`
