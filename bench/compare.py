@@ -44,13 +44,6 @@ def build(python: str, store: str, name: str, profile: str | None) -> str:
     return profile or os.path.join(store, f"{name}.latency_profile.json")
 
 
-def checkout_of(python: str) -> str:
-    code = "import tsbatch.handlers, os; print(os.path.dirname(os.path.dirname(tsbatch.handlers.__file__)))"
-    root = subprocess.run([python, "-c", code], check=True, capture_output=True, text=True).stdout.strip()
-    head = subprocess.run(["git", "-C", root, "log", "-1", "--format=%h %s"], capture_output=True, text=True).stdout
-    return f"{root} at {head.strip()[:90]}"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", required=True, help="the Python of the other checkout's venv")
@@ -67,7 +60,7 @@ def main() -> None:
     store = os.path.join(root, "store")
     profile = build(sys.executable, store, "after", args.profile)
     build(args.before, store, "before", profile)
-    arms = {"before": checkout_of(args.before), "after": checkout_of(sys.executable)}
+    arms = {"before": reports.checkout_of(args.before), "after": reports.checkout_of(sys.executable)}
     if args.control:
         build_archive(ArchiveSpec(default_model_dir(), "control", model_config({"task": "embedding"}, CONTROL_FRONTEND),
                                   store, extra_files={"control_pad_max.py": os.path.join(REPO, "bench/controls/control_pad_max.py")},

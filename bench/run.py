@@ -40,6 +40,7 @@ from tsbatch.archiver.tune import frontend_keys  # noqa: E402
 from bench.loadtest import report as reports  # noqa: E402
 from bench.loadtest.sweep import at_rate_interleaved, capacity, floor, measure, passes, sweep_interleaved  # noqa: E402
 from bench.loadtest.workload import Mix, make_requests  # noqa: E402
+from bench import light  # noqa: E402
 
 FRONTEND = {"batchSize": 8, "maxBatchDelay": 10, "minWorkers": 1, "maxWorkers": 1, "responseTimeout": 120,
             "startupTimeout": 900,  # every arm warms at once on a small machine
@@ -63,9 +64,12 @@ ARMS = {
 }
 
 
-LIGHT_RATE = 14.0  # req/s: light load on this machine, every arm keeping up
-LIGHT_SHARE = 0.3  # of the shipped arm's capacity
 BEFORE = "d_before"  # arm d as another checkout builds it (--before)
+
+
+def labels() -> dict[str, str]:
+    """Each arm's label, the --before arm's included."""
+    return {**{arm: spec["label"] for arm, spec in ARMS.items()}, BEFORE: ARMS["d"]["label"] + ", before"}
 
 
 def build_arms(root: str, model_dir: str, arms: list[str], before: str | None = None) -> str:
@@ -95,47 +99,6 @@ def build_before(python: str, store: str, model_dir: str) -> None:
             "frontend": ARMS["d"]["frontend"], "store": store}
     subprocess.run([python, "-c", code, json.dumps(spec)], check=True, stdout=subprocess.DEVNULL,
                    cwd=tempfile.gettempdir())
-
-
-def checkout_of(python: str) -> str:
-    """Where the checkout that `python` runs lives, and its last commit."""
-    code = "import tsbatch.handlers, os; print(os.path.dirname(os.path.dirname(tsbatch.handlers.__file__)))"
-    root = subprocess.run([python, "-c", code], check=True, capture_output=True, text=True).stdout.strip()
-    head = subprocess.run(["git", "-C", root, "log", "-1", "--format=%h %s"], capture_output=True, text=True).stdout
-    return f"{root} at {head.strip()[:90]}"
-
-
-def light_rates(shipped_capacity: float) -> list[float]:
-    """14 req/s and 30% of the shipped arm's capacity (once, if they round to the same rate)."""
-    rates = [LIGHT_RATE]
-    share = round(LIGHT_SHARE * shipped_capacity, 1)
-    if share > 0 and share != LIGHT_RATE:
-        rates.append(share)
-    return rates
-
-
-def light_load(urls: dict[str, str], rates: list[float], duration: float, rounds: int) -> dict:
-    """Every arm at each light rate, `rounds` interleaved windows each, pooled."""
-    out = {}
-    for rate in rates:
-        points = at_rate_interleaved(urls, rate, duration, rounds)
-        out[str(rate)] = {arm: {k: point[k] for k in ("short", "long", "all", "lost", "status", "short_breakdown_ms")}
-                          for arm, point in points.items()}
-    return out
-
-
-def light_markdown(light: dict) -> list[str]:
-    lines = ["| arm | " + " | ".join(f"short p50 / p99 @{r}/s (ms) | all p99 @{r}/s (ms)" for r in light) + " |",
-             "|---|" + "---|---|" * len(light)]
-    arms = list(next(iter(light.values())))
-    for arm in arms:
-        cells = []
-        for rate in light:
-            p = light[rate][arm]
-            cells += [f"{p['short']['p50']} / {p['short']['p99']}", f"{p['all']['p99']}"]
-        label = ARMS["d"]["label"] + ", before" if arm == BEFORE else ARMS[arm]["label"]
-        lines.append(f"| {arm}: {label} | " + " | ".join(cells) + " |")
-    return lines
 
 
 def machine_limit(model_dir: str, seconds: float = 20.0) -> dict:
@@ -209,7 +172,8 @@ def markdown(report: dict) -> str:
                      f"{at.get('lost')} | {alone.get('p50')} / {alone.get('p99')} |")
     if report.get("light"):
         lines += ["", f"Light load ({report['rounds']} interleaved windows per arm and rate, pooled; "
-                  f"{LIGHT_RATE:g} req/s and {LIGHT_SHARE:.0%} of d's capacity):", ""] + light_markdown(report["light"])
+                  f"{light.LIGHT_RATE:g} req/s and {light.LIGHT_SHARE:.0%} of d's capacity):", ""] + \
+            light.light_markdown(report["light"], labels())
     lines += ["", "Ratios (same run):"]
     for key, value in report["ratios"].items():
         lines.append(f"- {key}: {value}")
@@ -250,7 +214,8 @@ def main(argv=None) -> int:
               "duration": args.duration, "rounds": args.rounds, "frontend": FRONTEND, "arms": {}}
     server.stop_on_sigterm()
     if args.light_only:
-        return light_only(args, arms)
+        arms = arms + ([BEFORE] if args.before else [])
+        return light.light_only(args, arms, lambda root: build_arms(root, args.model_dir, arms, args.before), labels())
     with tempfile.TemporaryDirectory(prefix="tsbatch-bench-") as root, \
             server.local_server(os.path.join(root, "server"), build_arms(root, args.model_dir, arms),
                                 [f"arm_{a}" for a in arms], max_request_size=1 << 22) as served:
@@ -274,8 +239,8 @@ def main(argv=None) -> int:
             for arm, point in floor(urls, rate, args.duration).items():
                 report["arms"][arm]["at_70pct_b"]["one_in_flight"] = point
         if "d" in arms:
-            report["light"] = light_load(urls, light_rates(report["arms"]["d"]["capacity"]), args.duration,
-                                         args.rounds)
+            report["light"] = light.light_load(urls, light.light_rates(report["arms"]["d"]["capacity"]),
+                                               args.duration, args.rounds)
     if not args.no_limit:
         # measured again at the end, only to show how far the machine's speed moved during the run
         report["machine_limit_at_end"] = machine_limit(args.model_dir)
@@ -308,38 +273,6 @@ def main(argv=None) -> int:
     except ImportError:
         print("matplotlib missing: no plot")
     print(markdown(report))
-    return 0
-
-
-def light_only(args, arms: list[str]) -> int:
-    """`--light-only`: the light-load rows alone, at the shipped capacity of the last full run."""
-    with open(os.path.join(args.out, "bench.json")) as f:
-        shipped = json.load(f)["arms"]["d"]["capacity"]
-    if args.before:
-        arms = arms + [BEFORE]
-    report = {"when": reports.utc_now(), "machine": reports.machine(),
-              "command": "make bench BENCH_ARGS='--light-only" + (" --before PY'" if args.before else "'"),
-              "mix": "85% short (lognormal, median ~16 tokens), 15% long (200-256 tokens)",
-              "duration": args.duration, "rounds": args.rounds, "shipped_capacity": shipped,
-              "before": checkout_of(args.before) if args.before else None, "after": checkout_of(sys.executable)}
-    with tempfile.TemporaryDirectory(prefix="tsbatch-bench-") as root, \
-            server.local_server(os.path.join(root, "server"), build_arms(root, args.model_dir, arms, args.before),
-                                [f"arm_{a}" for a in arms], max_request_size=1 << 22) as served:
-        urls = {arm: f"{served.inference}/predictions/arm_{arm}" for arm in arms}
-        for arm in arms:
-            measure(urls[arm], 4, 3, seed=1)  # first requests: not measured
-        report["light"] = light_load(urls, light_rates(shipped), args.duration, args.rounds)
-    lines = [f"# tsbatch at light load ({report['when']})", "",
-             f"Machine: {report['machine']}. Command: `{report['command']}`.",
-             f"Workload: open-loop Poisson, {report['mix']}; {args.duration} s windows, {args.rounds} per arm and "
-             f"rate, arms interleaved, pooled. Rates: {LIGHT_RATE:g} req/s and {LIGHT_SHARE:.0%} of the shipped "
-             f"arm's capacity in the last make bench ({shipped} req/s).",
-             f"After: {report['after']}."]
-    if report["before"]:
-        lines.append(f"Before (arm {BEFORE}): {report['before']}.")
-    text = "\n".join(lines + [""] + light_markdown(report["light"])) + "\n"
-    reports.write(os.path.join(args.out, "light"), report, text)
-    print(text)
     return 0
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import subprocess
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -41,3 +42,11 @@ def write(stem: str, data: dict, markdown: str | None = None, indent: int = 1) -
     if markdown is not None:
         with open(stem + ".md", "w") as f:
             f.write(markdown)
+
+
+def checkout_of(python: str) -> str:
+    """Where the tsbatch checkout that `python` runs lives, and its last commit (before/after runs)."""
+    code = "import tsbatch.handlers, os; print(os.path.dirname(os.path.dirname(tsbatch.handlers.__file__)))"
+    root = subprocess.run([python, "-c", code], check=True, capture_output=True, text=True).stdout.strip()
+    head = subprocess.run(["git", "-C", root, "log", "-1", "--format=%h %s"], capture_output=True, text=True).stdout
+    return f"{root} at {head.strip()[:90]}"
