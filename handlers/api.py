@@ -18,7 +18,9 @@ size, so a request asking for 8 new tokens never shares a pass with one asking f
 handler configuration's `buckets` gives one list of edges per size.
 
 Optional: `describe()` (what the latency profile and the log record), `use_threads()` (intra-op
-threads for the calling lane), `ready()` (called once warmup is done).
+threads for the calling lane), `ready()` (called once warmup is done), `split()` (a request of
+several inputs as one request per input; by default JSON `{"text": [...]}` and its aliases, see
+handlers/parse.py; return None to take lists as they are).
 
 Everything else comes from tsbatch: buckets, warmup of every batch size x bucket before READY,
 the latency profile, isolation of failing requests, out-of-memory caps, the serving modes,
@@ -33,7 +35,7 @@ from typing import Any
 
 from tsbatch.handlers.buckets import Batch
 from tsbatch.handlers.errors import BadInput, InputTooLong, ServingError  # noqa: F401 - what prepare() raises
-from tsbatch.handlers.parse import parse_text
+from tsbatch.handlers.parse import many, parse_text
 
 __all__ = ["Batch", "BadInput", "InputTooLong", "Model", "Request", "ServingError"]
 
@@ -78,6 +80,14 @@ class Model(abc.ABC):
 
     def ready(self) -> None:
         """Warmup is done: every shape the handler forms has run once."""
+
+    def split(self, request: Request) -> list[Request] | None:
+        """A request of several inputs as one Request per input, or None for a request of one.
+        Each input is then prepared, bucketed and batched on its own, and the client gets their
+        results as one list in order. By default: JSON {"text": [...]} (or "inputs", "input"), KServe
+        v1 instances and a KServe v2 tensor of texts (handlers/envelopes.py)."""
+        found = many(request.body, request.content_type)
+        return None if found is None else [Request(body, request.content_type) for body in found[0]]
 
 
 def device_type(model: Model) -> str:

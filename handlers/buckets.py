@@ -23,13 +23,17 @@ SMALLEST_EDGE = 8
 @dataclass(frozen=True)
 class Item:
     """A prepared request ready to batch: its length, its bucket and the model's `input` for it
-    (what Model.prepare returned, opaque here)."""
+    (what Model.prepare returned, opaque here). A request of several texts is several items of
+    one `index` (its row), text `part` of `parts`; `parts` is 0 for a request of one."""
 
     index: int
     text: str
     length: Bucket
     bucket: Bucket
     input: Any = None
+    part: int = 0
+    parts: int = 0
+    envelope: str = ""  # the shape its request's answer takes (handlers/envelopes.py)
 
 
 @dataclass(frozen=True)

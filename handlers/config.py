@@ -75,7 +75,10 @@ class HandlerConfig:
     poll_ms: int = 5  # continuous mode: a call returns after this long even if nothing finished
     # continuous mode with sibling workers: the work one call may take in (it is answered whole)
     max_call_ms: int = 100
-    queue_cap: int = 64
+    queue_cap: int = 64  # texts waiting in this worker (a request of several texts counts each)
+    # a request of several texts ({"text": [...]}, handlers/parse.py): most texts, most tokens in all
+    max_texts_per_request: int = 32
+    max_tokens_per_request: int = 8192
     age_bound_ms: int = 250
     priority_aging_ms: int = 1000
     deadline_ms: int = 30000
@@ -125,6 +128,7 @@ class HandlerConfig:
             else:
                 values["buckets"] = _edges("buckets", buckets)
         for name in ("max_batch_tokens", "max_batch_size", "isolation_budget", "max_wait_ms", "poll_ms", "max_call_ms", "queue_cap",
+                     "max_texts_per_request", "max_tokens_per_request",
                      "age_bound_ms", "priority_aging_ms", "deadline_ms", "deadline_margin_ms", "warmup_repeats",
                      "warmup_max_repeats"):
             if name in section:

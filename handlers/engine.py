@@ -87,17 +87,15 @@ class Engine:
                 thread.join(timeout)
 
     def submit(self, tickets: Sequence[Ticket]) -> None:
-        """Queue tickets and wake the lanes. Overloaded propagates for the one that does not fit:
-        the queue is full, or what its lane has running and queued, then its own pass (the latency
-        profile's times), would end past its deadline, so it is refused at once instead of
-        answered 504 later."""
+        """Queue one request's tickets (one per text), all or none, and wake the lanes. Overloaded
+        propagates when they do not fit: the queue is full, or what a ticket's lane has running
+        and queued, then its own pass (the latency profile's times), would end past its deadline,
+        so the request is refused at once instead of answered 504 later."""
         with self.cond:
-            try:
-                for ticket in tickets:
-                    self._admissible(ticket)
-                    self.scheduler.submit(ticket)
-            finally:
-                self.cond.notify_all()
+            for ticket in tickets:
+                self._admissible(ticket)
+            self.scheduler.submit_all(tickets)
+            self.cond.notify_all()
 
     def _admissible(self, ticket: Ticket) -> None:
         """Called under cond."""

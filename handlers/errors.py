@@ -5,6 +5,8 @@ so every client sees the same shape: {"error": "...", "code": N}.
 """
 from __future__ import annotations
 
+import copy
+
 
 class ServingError(Exception):
     """A failure of one request, with the HTTP status the client should get."""
@@ -15,14 +17,34 @@ class ServingError(Exception):
         super().__init__(message)
         self.message = message
 
+    index: int | None = None  # which text of a request of several failed
+
     def to_body(self) -> dict:
-        return {"error": self.message, "code": self.status}
+        body = {"error": self.message, "code": self.status}
+        if self.index is not None:
+            body["index"] = self.index
+        return body
+
+    def at(self, index: int) -> "ServingError":
+        """This error as the failure of text `index` of a request of several: the whole request
+        is answered with it, the message and the body's "index" naming the text."""
+        error = copy.copy(self)
+        error.message = f"text {index}: {self.message}"
+        error.args = (error.message,)
+        error.index = index
+        return error
 
 
 class BadInput(ServingError):
     """The request itself is malformed: the client must change it."""
 
     status = 400
+
+
+class UnsupportedMediaType(ServingError):
+    """The body's content type cannot carry the request as sent (a form that split a text)."""
+
+    status = 415
 
 
 class InputTooLong(ServingError):

@@ -31,7 +31,7 @@ class Spec:
 
 # One vocabulary with the code, configs/metrics.yaml, the dashboard and the README.
 SPECS = {s.name: s for s in (
-    Spec("tsbatch_batch_size", HISTOGRAM, "count", ("bucket",), "requests per forward pass"),
+    Spec("tsbatch_batch_size", HISTOGRAM, "count", ("bucket",), "texts per forward pass (each text of a request of several counts)"),
     Spec("tsbatch_real_tokens_total", COUNTER, "count", ("bucket",), "tokens of real input computed"),
     Spec("tsbatch_padded_tokens_total", COUNTER, "count", ("bucket",), "tokens computed, padding included"),
     Spec("tsbatch_padding_waste_ratio", GAUGE, "ratio", ("bucket",), "padding share of the last batch's tokens"),
@@ -41,8 +41,8 @@ SPECS = {s.name: s for s in (
     Spec("tsbatch_isolation_passes_total", COUNTER, "count", ("bucket",), "extra passes spent isolating failures"),
     Spec("tsbatch_oom_splits_total", COUNTER, "count", ("bucket",), "batches halved after out of memory"),
     Spec("tsbatch_batch_cap", GAUGE, "count", ("bucket",), "largest batch the bucket may form (learned from out of memory; 0: none fits)"),
-    Spec("tsbatch_rejected_total", COUNTER, "count", ("reason",), "requests refused with 503 (queue full, or a call's work budget)"),
-    Spec("tsbatch_deadline_missed_total", COUNTER, "count", ("bucket",), "requests answered 504 at their deadline"),
+    Spec("tsbatch_rejected_total", COUNTER, "count", ("reason",), "requests refused with 503 (queue full, or a call's work budget): a request of several texts counts once"),
+    Spec("tsbatch_deadline_missed_total", COUNTER, "count", ("bucket",), "texts answered 504 at their deadline (a request of several: each text)"),
     Spec("tsbatch_handler_calls_total", COUNTER, "count", (), "times TorchServe called the handler (re-polls included)"),
     Spec("tsbatch_warmup_seconds", GAUGE, "seconds", ("bucket", "batch"), "warmup time spent on one shape"),
     Spec("tsbatch_warmup_total_seconds", GAUGE, "seconds", (), "warmup time before READY"),

@@ -43,7 +43,8 @@ class Priority(enum.IntEnum):
 class Answer:
     """What one request got: its result or its error, the size of the pass that computed it, the
     bucket it was padded to (0 when it never ran), and when (monotonic seconds) the handler first
-    saw it, its pass started and ended (0 when unknown): x-tsbatch-timing."""
+    saw it, its pass started and ended (0 when unknown): x-tsbatch-timing. A request of several
+    texts gets its texts' results as one list, or the first failed text's error (stages.Gather)."""
 
     outcome: Any  # a result (dict or list) or a ServingError
     batch_size: int = 1
@@ -51,6 +52,8 @@ class Answer:
     arrived: float = 0.0
     started: float = 0.0
     finished: float = 0.0
+    parts: tuple["Answer", ...] = ()  # a request of several texts: each text's own answer
+    envelope: str = ""  # and the shape its results go back in (handlers/envelopes.py)
 
     @property
     def failed(self) -> bool:
@@ -112,12 +115,20 @@ class Scheduler:
 
     def submit(self, ticket: Ticket) -> None:
         """Queue a ticket, or raise Overloaded when the worker's queue cap is reached."""
-        if len(self) >= self.policy.queue_cap:
+        self.submit_all([ticket])
+
+    def submit_all(self, tickets: Sequence[Ticket]) -> None:
+        """Queue one request's tickets (one per text), or none of them when they would pass the
+        worker's queue cap, which counts texts: raise Overloaded."""
+        if len(self) + len(tickets) > self.policy.queue_cap:
             raise Overloaded(
-                f"this worker has {len(self)} requests waiting (cap {self.policy.queue_cap}): retry shortly"
+                f"this worker has {len(self)} texts waiting (cap {self.policy.queue_cap}"
+                + (f", this request has {len(tickets)}" if len(tickets) > 1 else "") + "): retry shortly"
             )
-        self.queues[ticket.item.bucket].append(ticket)
-        self.arrivals.arrived(ticket.arrived)
+        for ticket in tickets:
+            self.queues[ticket.item.bucket].append(ticket)
+        if tickets:
+            self.arrivals.arrived(tickets[0].arrived)
 
     def backlog(self, buckets: Iterable[Bucket], pass_seconds: Callable[[Bucket], float]) -> float:
         """Seconds of passes queued in these buckets: each bucket's waiting requests in batches of

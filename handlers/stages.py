@@ -8,18 +8,20 @@ through its methods), so tests and benchmarks call the same functions.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Collection, Sequence
 
 from tsbatch.handlers.api import Request
-from tsbatch.handlers.buckets import Item, bucket_for, bucket_label, is_length, longest, sizes
+from tsbatch.handlers.buckets import Item, bucket_for, bucket_label, bucket_tokens, is_length, longest, sizes
 from tsbatch.handlers.errors import BadInput, InputTooLong, ModelFailed, OutOfMemory, Overloaded, ServingError
-from tsbatch.handlers.parse import row_value
+from tsbatch.handlers.envelopes import LIST, wrap
+from tsbatch.handlers.parse import many, row_value
 from tsbatch.handlers.scheduler import Answer
 
 logger = logging.getLogger(__name__)
@@ -37,6 +39,44 @@ DEADLINE_HEADER = "x-deadline-ms"
 RETRY_AFTER_SECONDS = "1"
 
 
+class Gather:
+    """A request's answer from its texts' answers: itself for a request of one text; for several,
+    the list of their results in order once every text is answered, or the whole request failed
+    with its first failed text's error, which names that text (ServingError.at)."""
+
+    def __init__(self, parts: int, deadline: float | None = None, envelope: str = ""):
+        self.parts = parts  # 0: a request of one text
+        self.answers: list[Answer | None] = [None] * max(1, parts)
+        self.deadline = deadline
+        self.envelope = envelope
+
+    @classmethod
+    def of(cls, items: Sequence[Item], deadline: float | None = None) -> "Gather":
+        return cls(items[0].parts, deadline, items[0].envelope)
+
+    def add(self, part: int, answered: Answer) -> bool:
+        """Record one text's answer; True once the request is complete."""
+        self.answers[part] = answered
+        return self.done
+
+    @property
+    def done(self) -> bool:
+        return all(a is not None for a in self.answers)
+
+    def answer(self) -> Answer:
+        if not self.parts:
+            return self.answers[0]
+        answers = tuple(self.answers)
+        times = dict(arrived=min(a.arrived for a in answers),
+                     started=min((a.started for a in answers if a.started), default=0.0),
+                     finished=max(a.finished for a in answers))
+        failed = next((i for i, a in enumerate(answers) if a.failed), None)
+        if failed is not None:
+            return Answer(answers[failed].outcome.at(failed), answers[failed].batch_size, 0, **times)
+        return Answer([a.outcome for a in answers], max(a.batch_size for a in answers), answers[0].bucket,
+                      parts=answers, envelope=self.envelope, **times)
+
+
 @dataclass
 class Call:
     """One handler call: per row, its answer so far (None: not answered yet). `batch_size` is
@@ -44,6 +84,7 @@ class Call:
 
     answers: list[Answer | None]
     batch_size: int = 1
+    gathers: dict[int, Gather] = field(default_factory=dict)  # row -> its texts' answers so far
 
     @classmethod
     def of(cls, rows: int, batch_size: int = 1) -> "Call":
@@ -55,6 +96,12 @@ class Call:
     def settle(self, index: int, answer: Answer) -> None:
         self.answers[index] = answer
 
+    def settle_item(self, item: Item, answer: Answer) -> None:
+        """One text's answer: its request is answered once all its texts are."""
+        gather = self.gathers.setdefault(item.index, Gather(item.parts, envelope=item.envelope))
+        if gather.add(item.part, answer):
+            self.settle(item.index, gather.answer())
+
     def fail_unanswered(self, error: Exception) -> None:
         """A bug in tsbatch: every request not yet answered gets a 500 that says so."""
         logger.exception("tsbatch pipeline failed")
@@ -62,40 +109,80 @@ class Call:
         self.answers = [a if a is not None else Answer(failure, self.batch_size, 0) for a in self.answers]
 
 
+def by_request(items: Sequence[Item]) -> list[list[Item]]:
+    """Items grouped by request, in order (a request of several texts is several items)."""
+    return [list(group) for _, group in itertools.groupby(items, key=lambda item: item.index)]
+
+
 def prepare(model, edges: Sequence[int], unfit: Collection[int], data: list, context, call: Call,
-            rows: Sequence[int] | None = None) -> list[Item]:
-    """Every row (or the given ones) as an Item with its length and bucket, from the model's
-    `prepare` (handlers/api.py); a row it refuses, or one too long for every bucket, or of a
-    bucket where not one request fits in memory (`unfit`: 507), is answered in `call` alone."""
+            rows: Sequence[int] | None = None, limits=None) -> list[Item]:
+    """Every row (or the given ones) as Items, one per text, each with its length and bucket, from
+    the model's `split` and `prepare` (handlers/api.py); a row it refuses, or one too long for
+    every bucket, or of a bucket where not one request fits in memory (`unfit`: 507), is answered
+    in `call` alone, and so is a request of several texts when any one of them fails here or it
+    has more texts or tokens than `limits` (the handler config) allow (413)."""
     items = []
     for index in range(len(data)) if rows is None else rows:
+        media = content_type(context, index)
         try:
-            length, prepared = model.prepare(Request(row_value(data[index]), content_type(context, index)))
+            request = Request(row_value(data[index], media), media)
+            parts = _split(model, request, limits)
+            envelope = (many(request.body, media) or ((), LIST))[1] if parts else ""
+            row = [_prepare_one(model, edges, unfit, part, index, n, len(parts) if parts else 0, envelope)
+                   for n, part in enumerate(parts or [request])]
+            failed = next((n for n, item in enumerate(row) if isinstance(item, ServingError)), None)
+            if failed is not None:
+                raise row[failed].at(failed) if parts else row[failed]
+            if parts and limits is not None:
+                tokens = sum(bucket_tokens(item.length) for item in row)
+                if tokens > limits.max_tokens_per_request:
+                    raise InputTooLong(f"the texts of this request have {tokens} tokens in all, at most "
+                                       f"{limits.max_tokens_per_request} per request: send fewer or shorter texts")
         except ServingError as error:
             call.fail(index, error)
             continue
-        except Exception as error:  # noqa: BLE001 - e.g. lone surrogates a tokenizer rejects
-            call.fail(index, BadInput(f"the model cannot take this request ({type(error).__name__}: {error})"))
-            continue
-        if isinstance(length, list):
-            length = tuple(length)
-        if not is_length(length, edges):
-            call.fail(index, ModelFailed(f"the model's prepare() returned length {length!r}: it must be a whole "
-                                         f"number >= 0, or one per size for a model with several"))
-            continue
-        largest = longest(edges)
-        if any(size > most for size, most in zip(sizes(length), sizes(largest))):
-            call.fail(index, InputTooLong(f"input is {bucket_label(length)} long, the model takes at most "
-                                          f"{bucket_label(largest)}"))
-            continue
-        bucket = bucket_for(length, edges)
-        if bucket in unfit:
-            call.fail(index, OutOfMemory(
-                f"inputs of up to {bucket_label(bucket)} tokens (this request has {bucket_label(length)}) do not fit in this worker's "
-                f"memory even one at a time (learned from out of memory): send a shorter input"))
-            continue
-        items.append(Item(index, "", length, bucket, prepared))
+        items.extend(row)
     return items
+
+
+def _split(model, request: Request, limits) -> list[Request] | None:
+    """The model's `split` of a request of several texts (None for one), within `limits`."""
+    split = getattr(model, "split", None)
+    try:
+        parts = split(request) if split is not None else None
+    except ServingError:
+        raise
+    except Exception as error:  # noqa: BLE001 - a team's split() must not fail the call
+        raise BadInput(f"the model cannot take this request ({type(error).__name__}: {error})") from None
+    if parts and limits is not None and len(parts) > limits.max_texts_per_request:
+        raise InputTooLong(f"this request has {len(parts)} texts, at most {limits.max_texts_per_request} per "
+                           f"request: send them in several requests")
+    return parts
+
+
+def _prepare_one(model, edges: Sequence[int], unfit: Collection[int], request: Request, index: int,
+                 part: int, parts: int, envelope: str) -> Item | ServingError:
+    """One text as an Item, or the error it alone is answered with."""
+    try:
+        length, prepared = model.prepare(request)
+    except ServingError as error:
+        return error
+    except Exception as error:  # noqa: BLE001 - e.g. lone surrogates a tokenizer rejects
+        return BadInput(f"the model cannot take this request ({type(error).__name__}: {error})")
+    if isinstance(length, list):
+        length = tuple(length)
+    if not is_length(length, edges):
+        return ModelFailed(f"the model's prepare() returned length {length!r}: it must be a whole "
+                           f"number >= 0, or one per size for a model with several")
+    largest = longest(edges)
+    if any(size > most for size, most in zip(sizes(length), sizes(largest))):
+        return InputTooLong(f"input is {bucket_label(length)} long, the model takes at most {bucket_label(largest)}")
+    bucket = bucket_for(length, edges)
+    if bucket in unfit:
+        return OutOfMemory(
+            f"inputs of up to {bucket_label(bucket)} tokens (this request has {bucket_label(length)}) do not fit in this worker's "
+            f"memory even one at a time (learned from out of memory): send a shorter input")
+    return Item(index, "", length, bucket, prepared, part, parts, envelope)
 
 
 def answer(call: Call, context) -> list[str]:
@@ -111,14 +198,18 @@ def answer(call: Call, context) -> list[str]:
             bodies.append("")
             continue
         outcome = answered.outcome
-        body = json.dumps(outcome.to_body() if isinstance(outcome, ServingError) else outcome)
+        if isinstance(outcome, ServingError):
+            body = json.dumps(outcome.to_body())
+        else:
+            body = json.dumps(wrap(answered.envelope, outcome, getattr(context, "model_name", "")))
         bodies.append(body)
         if index >= requests:
             continue
         context.set_response_content_type(index, JSON)
-        context.set_response_header(index, BATCH_SIZE_HEADER, str(answered.batch_size))
+        each = answered.parts or (answered,)  # a request of several texts: one value per text
+        context.set_response_header(index, BATCH_SIZE_HEADER, ",".join(str(a.batch_size) for a in each))
         if answered.bucket:
-            context.set_response_header(index, PADDED_HEADER, bucket_label(answered.bucket))
+            context.set_response_header(index, PADDED_HEADER, ",".join(bucket_label(a.bucket) for a in each))
         context.set_response_header(index, WORKER_HEADER, str(os.getpid()))
         if answered.started:
             ms = lambda seconds: f"{seconds * 1000:.1f}"  # noqa: E731

@@ -9,20 +9,22 @@ import time
 
 from tsbatch.handlers.modes.scheduled import ScheduledMode
 from tsbatch.handlers.scheduler import Answer, Ticket
-from tsbatch.handlers.stages import Call, answer, prepare
+from tsbatch.handlers.stages import Call, Gather, answer, by_request, prepare
 
 
 class _Future:
-    """Waits for one ticket on its event loop: lane threads settle it thread-safely."""
+    """Waits for one request's tickets (one per text) on its event loop: lane threads settle
+    them thread-safely, and the request's answer is set once every text is answered."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
+    def __init__(self, loop: asyncio.AbstractEventLoop, gather: Gather):
         self.loop = loop
+        self.gather = gather
         self.future = loop.create_future()
 
     def settle(self, ticket: Ticket, answer_: Answer) -> None:
-        def set_result() -> None:
-            if not self.future.done():
-                self.future.set_result(answer_)
+        def set_result() -> None:  # on the loop's thread: one text at a time
+            if not self.future.done() and self.gather.add(ticket.item.part, answer_):
+                self.future.set_result(self.gather.answer())
 
         self.loop.call_soon_threadsafe(set_result)
 
@@ -38,12 +40,12 @@ class AsyncMode(ScheduledMode):
         try:
             loop = asyncio.get_running_loop()
             waiting = []
-            for item in prepare(w.model, w.edges, w.unfit, data, context, call):
-                future = _Future(loop)
-                if self.admit(item, context, arrived, future, call):
-                    waiting.append((item, future))
-            for item, future in waiting:
-                call.settle(item.index, await future.future)
+            for request in by_request(prepare(w.model, w.edges, w.unfit, data, context, call, limits=w.config)):
+                future = _Future(loop, Gather.of(request))
+                if self.admit(request, context, arrived, future, call):
+                    waiting.append((request[0].index, future))
+            for index, future in waiting:
+                call.settle(index, await future.future)
         except Exception as error:  # noqa: BLE001
             call.fail_unanswered(error)
         _reply(answer(call, context), call, context)

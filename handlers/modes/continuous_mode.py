@@ -21,7 +21,7 @@ from tsbatch.handlers.errors import Overloaded
 from tsbatch.handlers.engine import missed_deadline
 from tsbatch.handlers.modes.scheduled import ScheduledMode
 from tsbatch.handlers.scheduler import Answer, Ticket, within_budget
-from tsbatch.handlers.stages import Call, answer, prepare
+from tsbatch.handlers.stages import Call, Gather, answer, by_request, prepare
 
 
 class ContinuousMode(ScheduledMode):
@@ -29,15 +29,17 @@ class ContinuousMode(ScheduledMode):
 
     def __init__(self, worker, lanes):
         super().__init__(worker, lanes)
-        self.running: dict[str, Ticket] = {}  # request id -> ticket not answered yet
+        self.running: dict[str, Gather] = {}  # request id -> its texts' answers so far, not answered yet
         self.finished: dict[str, Answer] = {}  # request id -> answer not yet replied
         self.cond = threading.Condition()
 
     def settle(self, ticket: Ticket, answer_: Answer) -> None:
-        """From a lane thread: a request is done; wake the call waiting for it."""
+        """From a lane thread: a text is done; once its request's texts all are, wake the call
+        waiting for it."""
         with self.cond:
-            if ticket.rid in self.running:
-                self.finished[ticket.rid] = answer_
+            gather = self.running.get(ticket.rid)
+            if gather is not None and gather.add(ticket.item.part, answer_):
+                self.finished[ticket.rid] = gather.answer()
                 self.cond.notify_all()
 
     def handle(self, data: list, context) -> list:
@@ -52,15 +54,15 @@ class ContinuousMode(ScheduledMode):
         try:
             alone = w.siblings.alone()
             new = [i for i, rid in enumerate(mine) if rid not in self.running]
-            items = prepare(w.model, w.edges, w.unfit, data, context, call, new)
+            items = prepare(w.model, w.edges, w.unfit, data, context, call, new, limits=w.config)
             if not alone and len(data) >= max(2, w.batch_size // 4) and not w.siblings.any_idle():
                 items = self._fit_call(items, call)  # a backlog in TorchServe's queue, every worker busy
             with self.cond:  # held while admitting, so no lane can settle a ticket not yet in `running`
-                for item in items:
-                    rid = mine[item.index]
-                    ticket = self.admit(item, context, arrived, self, call, rid=rid, may_wait=alone)
-                    if ticket is not None:
-                        self.running[rid] = ticket
+                for request in by_request(items):
+                    rid = mine[request[0].index]
+                    tickets = self.admit(request, context, arrived, self, call, rid=rid, may_wait=alone)
+                    if tickets:
+                        self.running[rid] = Gather.of(request, tickets[0].deadline)
                 if alone and all(a is None for a in call.answers):
                     self._wait_for_one(mine)
                 if not (alone and w.siblings.alone()):
@@ -98,7 +100,7 @@ class ContinuousMode(ScheduledMode):
         the requests' deadlines (what still runs a second past the last one is answered 504) and
         by TorchServe's responseTimeout, past which it would kill the worker. Called under cond."""
         running = [self.running[rid] for rid in mine if rid in self.running]
-        deadlines = [t.deadline for t in running if t.deadline is not None]
+        deadlines = [g.deadline for g in running if g.deadline is not None]
         timeout = self.worker.response_timeout - 1.0
         if deadlines and len(deadlines) == len(running):
             timeout = min(timeout, max(deadlines) - time.monotonic() + 1.0)
@@ -122,12 +124,9 @@ class ContinuousMode(ScheduledMode):
         lane_of = {bucket: i for i, lane in enumerate(self.engine.lanes) for bucket in lane}
         costs = [(lane_of[item.bucket], w.pass_seconds(item.bucket) / w.cap_for(item.bucket)) for item in items]
         budgets = [w.config.max_call_ms / 1000] * len(self.engine.lanes)
-        taken = []
-        for item, fits in zip(items, within_budget(costs, budgets)):
-            if fits:
-                taken.append(item)
-                continue
+        shed = {item.index for item, fits in zip(items, within_budget(costs, budgets)) if not fits}
+        for index in sorted(shed):  # a request of several texts is taken in whole or not at all
             w.metrics.rejected("call_full")
-            call.fail(item.index, Overloaded(
+            call.fail(index, Overloaded(
                 f"this worker took in {w.config.max_call_ms} ms of work with this call: retry shortly"))
-        return taken
+        return [item for item in items if item.index not in shed]

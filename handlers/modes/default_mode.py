@@ -21,14 +21,14 @@ class DefaultMode:
         call = Call.of(len(data), batch_size=len(data))
         arrived = time.monotonic()
         try:
-            items = prepare(w.model, w.edges, w.unfit, data, context, call)
+            items = prepare(w.model, w.edges, w.unfit, data, context, call, limits=w.config)
             for batch in plan_batches(items, w.cap_for):
                 started = time.monotonic()
                 results, report = w.isolator.execute(batch)
                 finished = time.monotonic()
                 w.after_batch(batch, report)
                 for item, outcome in zip(batch.items, results):
-                    call.settle(item.index, Answer(outcome, len(data), batch.bucket, arrived, started, finished))
+                    call.settle_item(item, Answer(outcome, len(data), batch.bucket, arrived, started, finished))
         except Exception as error:  # noqa: BLE001 - a bug here must not fail the worker
             call.fail_unanswered(error)
         return answer(call, context)

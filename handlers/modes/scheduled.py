@@ -44,19 +44,22 @@ class ScheduledMode:
             self.worker.metrics.deadline_missed(ticket.item.bucket)
         ticket.waiter.settle(ticket, answer)
 
-    def admit(self, item: Item, context, arrived: float, waiter: Waiter, call: Call, rid: str = "",
-              may_wait: bool = True) -> Ticket | None:
-        """Queue the item in the scheduler, or answer in `call` why it cannot be (bad headers, full queue)."""
+    def admit(self, items: list[Item], context, arrived: float, waiter: Waiter, call: Call, rid: str = "",
+              may_wait: bool = True) -> list[Ticket]:
+        """Queue a request's items (one per text) in the scheduler, all or none, or answer in `call`
+        why it cannot be (bad headers, full queue, past its deadline)."""
+        index = items[0].index
         try:
-            ticket = self._ticket(item, context, arrived)
-            ticket.waiter, ticket.rid, ticket.may_wait = waiter, rid, may_wait
-            self.engine.submit([ticket])
-            return ticket
+            tickets = [self._ticket(item, context, arrived) for item in items]
+            for ticket in tickets:
+                ticket.waiter, ticket.rid, ticket.may_wait = waiter, rid, may_wait
+            self.engine.submit(tickets)
+            return tickets
         except ServingError as error:
             if isinstance(error, Overloaded):
                 self.worker.metrics.rejected(error.reason)
-            call.fail(item.index, error)
-            return None
+            call.fail(index, error)
+            return []
 
     def _ticket(self, item: Item, context, now: float) -> Ticket:
         cfg = self.worker.config

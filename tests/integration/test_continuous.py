@@ -136,3 +136,24 @@ def test_requests_past_what_their_lane_can_do_by_their_deadline_are_refused_at_o
     admitted = set(replies) - refused
     assert "long0" in admitted  # an empty lane always takes one
     assert all(replies[rid].status in (200, 504) for rid in admitted)
+
+
+def test_a_request_of_many_texts_gets_each_texts_own_answer_padded_to_its_own_bucket(continuous, reference):
+    """Issue #20: 32 mixed-length texts in one request, alongside requests of one text, through
+    the continuous frontend: each text answered as it is alone, none padded to the long one."""
+    handler, context = continuous
+    texts = [TEXTS[i % 8] for i in range(31)] + [LONG]
+    frontend = ContinuousFrontend(handler, context)
+    frontend.submit("many", ({"text": texts}, "application/json"))
+    frontend.submit("one", TEXTS[3])
+    frontend.submit("bad", ({"text": [TEXTS[0], " "]}, "application/json"))
+    replies = frontend.drain()
+    assert replies["one"].status == 200 and replies["bad"].status == 400
+    assert replies["bad"].body["index"] == 1
+    many = replies["many"]
+    assert many.status == 200 and len(many.body) == 32
+    for text, answer in zip(texts, many.body):
+        assert cosine(answer["embedding"], reference[text]) >= 0.999
+    padded = many.headers["x-tsbatch-padded-to"].split(",")
+    assert len(padded) == 32 and padded[-1] == "256" and max(int(p) for p in padded[:-1]) <= 32
+    assert handler.mode.running == {} and handler.mode.finished == {}

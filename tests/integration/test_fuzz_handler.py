@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from tsbatch.handlers.config import HandlerConfig
 from tsbatch.handlers.encoder_handler import EncoderHandler
 from tsbatch.handlers.stages import BATCH_SIZE_HEADER, WORKER_HEADER
-from tsbatch.handlers.errors import BadInput, ConfigError
-from tsbatch.handlers.parse import parse_text, row_value
+from tsbatch.handlers.errors import ConfigError, ServingError
+from tsbatch.handlers.parse import many, parse_text, row_value
 from tests.support import make_context
 
 FUZZ = settings(max_examples=50, deadline=None,
@@ -62,7 +62,8 @@ MALFORMED = [
     ({"body": b"\xff\xfe\xfd"}, "text/plain"), ({"body": b"ok then \xc3\x28"}, None),
     ({"body": b'{"text": '}, "application/json"), ({"body": b"{'text': 'single'}"}, "application/json"),
     ({"body": b'{"txt": "x"}'}, "application/json"), ({"body": {"text": 7}}, "application/json"),
-    ({"body": {"text": None}}, "application/json"), ({"body": {"text": ["a"]}}, "application/json"),
+    ({"body": {"text": None}}, "application/json"), ({"body": {"text": []}}, "application/json"),
+    ({"body": {"text": ["a", 7]}}, "application/json"), ({"body": {"inputs": ["ok", "  "]}}, "application/json"),
     ({"body": ["a", "b"]}, "application/json"), ({"body": 42}, "application/json"), ({"body": True}, "application/json"),
     ({"body": None}, None), ({}, None), ({"data": {"text": "  "}}, "application/json"),
     ({"body": b"[1, 2]"}, "application/json"), ({"body": b"null"}, "application/json"),
@@ -113,12 +114,17 @@ def handle(handler, context, rows: list[Row]):
     return bodies
 
 
-def parses(row: Row) -> bool:
+def texts_of(row: Row) -> str | list[str] | None:
+    """What the row asks for as the handler's parse reads it: one text, a list of texts (a request
+    of several, answered with a list), or None for a row that deserves 400."""
     try:
-        parse_text(row_value(row.row), row.content_type)
-    except BadInput:
-        return False
-    return True
+        value = row_value(row.row, row.content_type)
+        found = many(value, row.content_type)
+        if found is not None:
+            return [parse_text(body, row.content_type) for body in found[0]]
+        return parse_text(value, row.content_type)
+    except ServingError:
+        return None
 
 
 def check_batch(handler, context, rows: list[Row], tokens_limit: int | None = None) -> list[int]:
@@ -129,25 +135,31 @@ def check_batch(handler, context, rows: list[Row], tokens_limit: int | None = No
         status, _ = context.get_response_status(i)
         headers = context.get_response_headers(i)
         body = json.loads(raw)
-        assert headers[BATCH_SIZE_HEADER] == str(len(rows)) and headers[WORKER_HEADER].isdigit()
+        # the frontend's batch, once per text for a request of several
+        assert set(headers[BATCH_SIZE_HEADER].split(",")) == {str(len(rows))} and headers[WORKER_HEADER].isdigit()
         assert context.get_response_content_type(i) == "application/json"
-        expect = row.expect if row.expect != "either" else ("ok" if parses(row) else "bad")
+        asked = row.text if row.text is not None else texts_of(row)
+        expect = row.expect if row.expect != "either" else ("ok" if asked is not None else "bad")
         if expect == "ok":
-            text = row.text if row.text is not None else parse_text(row_value(row.row), row.content_type)
-            tokens = len(handler.model.tokenizer(text, verbose=False)["input_ids"])
-            if tokens_limit is not None and tokens > tokens_limit:
+            listed = isinstance(asked, list)
+            texts = asked if listed else [asked]
+            tokens = [len(handler.model.tokenizer(t, verbose=False)["input_ids"]) for t in texts]
+            if tokens_limit is not None and max(tokens) > tokens_limit:
                 assert status == 413, (row, status, body)
-                assert body == {"error": body["error"], "code": 413} and "tokens" in body["error"]
+                assert body["code"] == 413 and "tokens" in body["error"] and set(body) <= {"error", "code", "index"}
             else:
                 assert status == 200, (row, status, body)
-                if "tokens" in body:  # embeddings say how many tokens they saw: this row's own result
-                    assert body["tokens"] == min(tokens, handler.model.max_length), (row, body)
-                    assert len(body["embedding"]) == 384
-                else:
-                    assert set(body) == {"label", "score", "scores"}, body
+                results = body if listed else [body]
+                assert isinstance(results, list) and len(results) == len(texts), (row, body)
+                for result, count in zip(results, tokens):
+                    if "tokens" in result:  # embeddings say how many tokens they saw: this text's own result
+                        assert result["tokens"] == min(count, handler.model.max_length), (row, result)
+                        assert len(result["embedding"]) == 384
+                    else:
+                        assert set(result) == {"label", "score", "scores"}, result
         else:
             assert status == 400, (row, status, body)
-            assert set(body) == {"error", "code"} and body["code"] == 400 and body["error"], body
+            assert set(body) <= {"error", "code", "index"} and body["code"] == 400 and body["error"], body
         statuses.append(status)
     return statuses
 

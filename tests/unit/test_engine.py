@@ -317,19 +317,23 @@ def test_overloaded_propagates_from_submit_when_the_queue_is_full(make_engine):
     assert deliveries.wait_ticket(refused) == ({"text": refused.item.text}, 1)
 
 
-def test_overloaded_in_a_list_keeps_the_tickets_that_fit(make_engine):
+def test_one_requests_tickets_are_queued_whole_or_refused_whole(make_engine):
+    """A request of several texts is several tickets submitted together (issue #20): when they
+    do not all fit, none stays queued, so no text of a refused request runs."""
     isolator = FakeIsolator(block=EDGES)
     engine, isolator, deliveries = make_engine(isolator, queue_cap=2, max_wait=10.0)
     engine.submit([ticket(256)])
     assert isolator.entered.wait(WAIT)
-    fits, refused = [ticket(256), ticket(256)], ticket(256)
-    with pytest.raises(Overloaded):
-        engine.submit([*fits, refused])
+    refused = [ticket(256), ticket(256), ticket(256)]
+    with pytest.raises(Overloaded, match="this request has 3"):
+        engine.submit(refused)
+    fits = [ticket(256), ticket(256)]
+    engine.submit(fits)
     isolator.release.set()
     assert deliveries.wait_count(3)
     assert all(deliveries.of(t) is not None for t in fits)
     assert not deliveries.wait_count(4, timeout=0.2)
-    assert deliveries.of(refused) is None
+    assert all(deliveries.of(t) is None for t in refused)
 
 
 # -- lanes: a short request does not wait for a long pass ------------------------------------------

@@ -16,6 +16,7 @@ from tsbatch.handlers.errors import (
     OutOfMemory,
     Overloaded,
     ServingError,
+    UnsupportedMediaType,
 )
 
 pytestmark = pytest.mark.unit
@@ -24,6 +25,7 @@ STATUSES = [
     (ServingError, 500),
     (BadInput, 400),
     (InputTooLong, 413),
+    (UnsupportedMediaType, 415),
     (ModelFailed, 500),
     (ModelUnavailable, 503),
     (Overloaded, 503),
@@ -71,3 +73,11 @@ def test_config_error_is_not_a_serving_error():
     """A bad configuration fails the load; it is never turned into a response."""
     assert issubclass(ConfigError, ValueError)
     assert not issubclass(ConfigError, ServingError)
+
+
+def test_an_error_at_one_text_of_several_names_it_and_leaves_the_original_alone():
+    error = InputTooLong("input is 300 long")
+    at = error.at(4)
+    assert at.to_body() == {"error": "text 4: input is 300 long", "code": 413, "index": 4}
+    assert str(at) == "text 4: input is 300 long" and type(at) is InputTooLong
+    assert error.to_body() == {"error": "input is 300 long", "code": 413}

@@ -36,9 +36,13 @@ JSON = "application/json"
         ('{"text": "caf\u00e9"}'.encode("utf-8"), JSON, "caf\u00e9"),
         # A JSON body that is a bare string is that string.
         (b'"a bare json string"', JSON, "a bare json string"),
-        # Without a JSON content type, JSON-looking bytes are just text: nothing is guessed.
-        (b'{"text": "not parsed"}', None, '{"text": "not parsed"}'),
+        # A declared non-JSON type keeps JSON-looking bytes as text: nothing is guessed.
         (b'{"text": "not parsed"}', "text/plain", '{"text": "not parsed"}'),
+        # No content type at all (gRPC's inference API sends none): a JSON object with a text
+        # field is JSON, anything else is text
+        (b'{"text": "parsed"}', None, "parsed"),
+        (b'{"other": "kept as text"}', None, '{"other": "kept as text"}'),
+        (b'{not json at all', None, '{not json at all'),
     ],
 )
 def test_parse_text_returns_the_text(value, content_type, expected):

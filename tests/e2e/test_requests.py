@@ -1,0 +1,168 @@
+"""Requests the way users send them (issue #20), through a real torchserve: `curl --data`, many
+texts in one request (and the Open Inference Protocol's tensor of texts), and TorchServe's gRPC
+inference API with a client built from the protos TorchServe publishes in its own jar.
+
+Served: the archive exactly as `tsbatch archive` builds it (continuous mode, its own
+config.properties and model-config.yaml), and the session server's default-mode and async-mode
+models, so every mode tsbatch ships answers these shapes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+from tsbatch.archiver import server
+from tsbatch.handlers.stages import PADDED_HEADER
+from tests.e2e.client import post, post_together
+from tests.e2e.conftest import NAME, serve_built
+from tests.support import cosine
+
+SHORT = ["A man is eating food.", "Cats sleep a lot.", "It rained all day in the city.", "Jazz at noon."]
+LONG = " ".join(["A far longer passage about serving language models, bucketing requests by their length"
+                 " and warming every shape before a worker says it is ready."] * 5)
+MIXED = [SHORT[i % 4] + f" ({i})" for i in range(31)] + [LONG]  # 32 texts, one of them long
+
+
+@pytest.fixture(scope="module")
+def shipped(tmp_path_factory, built_profile):
+    """The archive as `tsbatch archive` builds it (the make serve archive), served as built."""
+    served = serve_built(tmp_path_factory.mktemp("requests"), built_profile)
+    try:
+        server.wait_ready(served.management, NAME, 600)
+        yield served
+    finally:
+        server.stop(served.paths)
+
+
+@pytest.fixture(scope="module", params=["shipped", "default", "async"])
+def url(request, torchserve):
+    """Each serving mode: the shipped archive (continuous), default and async mode models."""
+    if request.param == "shipped":
+        return f"{request.getfixturevalue('shipped').inference}/predictions/{NAME}"
+    model = {"default": "minilm", "async": "minilm_async"}[request.param]
+    return f"{torchserve.inference}/predictions/{model}"
+
+
+def embedding(url: str, text: str) -> list[float]:
+    answer = post(url, text)
+    assert answer.status == 200, answer.body
+    return answer.body["embedding"]
+
+
+def curl(*args: str) -> tuple[int, dict]:
+    done = subprocess.run(["curl", "-s", "-w", "\n%{http_code}", *args], capture_output=True, text=True, timeout=60)
+    body, _, status = done.stdout.rpartition("\n")
+    return int(status), json.loads(body)
+
+
+def test_curl_data_urlencode_text_gets_the_embedding_text_plain_gets(url):
+    text = "1 + 1 = 2 & more"
+    status, body = curl("-X", "POST", url, "--data-urlencode", f"text={text}")
+    assert status == 200, body
+    assert cosine(body["embedding"], embedding(url, text)) >= 0.9999
+
+
+@pytest.mark.parametrize("data", ["A man is eating food.", "x = 1 + 2"])
+def test_curl_data_without_a_content_type_gets_415_saying_what_arrived_and_what_to_send(url, data):
+    # TorchServe's frontend parses curl's default form body before any handler sees it: a text
+    # without '=' arrives as no field at all, one with '=' split and '+' read as a space
+    status, body = curl("-X", "POST", url, "--data", data)
+    assert status == 415 and body["code"] == 415, body
+    assert "application/x-www-form-urlencoded" in body["error"]
+    assert "-H 'Content-Type: text/plain'" in body["error"] and "--data-urlencode" in body["error"]
+    status, body = curl("-X", "POST", url, "-H", "Content-Type: text/plain", "--data", data)
+    assert status == 200 and cosine(body["embedding"], embedding(url, data)) >= 0.9999  # the fix it names
+
+
+def test_32_mixed_texts_in_one_request_equal_32_requests_and_keep_their_own_padding(url):
+    answer = post(url, {"text": MIXED}, "application/json", timeout=120)
+    assert answer.status == 200, answer.body
+    assert len(answer.body) == 32
+    alone = [a.body["embedding"] for a in post_together(url, MIXED, timeout=120)]
+    for listed, single in zip(answer.body, alone):
+        assert cosine(listed["embedding"], single) >= 0.999
+    padded = [int(p) for p in answer.headers[PADDED_HEADER].split(",")]
+    assert len(padded) == 32 and padded[-1] >= 128 and max(padded[:-1]) <= 32  # the long one padded nobody
+
+
+def test_the_aliases_and_the_kserve_shapes_answer_alike(url):
+    texts = SHORT[:3]
+    expected = [embedding(url, t) for t in texts]
+    for payload in ({"inputs": texts}, {"input": texts}, {"instances": texts}):
+        answer = post(url, payload, "application/json")
+        assert answer.status == 200, answer.body
+        results = answer.body["predictions"] if "instances" in payload else answer.body
+        assert all(cosine(a["embedding"], e) >= 0.9999 for a, e in zip(results, expected))
+    tensor = {"inputs": [{"name": "text", "shape": [3], "datatype": "BYTES", "data": texts}]}
+    answer = post(url, tensor, "application/json")
+    assert answer.status == 200, answer.body
+    [vectors] = [o for o in answer.body["outputs"] if o["name"] == "embedding"]
+    assert vectors["shape"] == [3, 384]
+    assert all(cosine(vectors["data"][i * 384:(i + 1) * 384], e) >= 0.9999 for i, e in enumerate(expected))
+
+
+def test_a_bad_text_fails_its_request_naming_it_while_a_request_beside_it_is_answered(url):
+    bad, good = post_together(url, [(json.dumps({"text": [SHORT[0], ""]}), "application/json"), SHORT[1]])
+    assert bad.status == 400 and bad.body["index"] == 1 and bad.body["error"].startswith("text 1:")
+    assert good.status == 200 and len(good.body["embedding"]) == 384
+    too_many = post(url, {"text": ["x"] * 33}, "application/json")
+    assert too_many.status == 413 and "at most 32" in too_many.body["error"]
+
+
+# -- gRPC ------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def grpc_inference(tmp_path_factory, shipped):
+    """A Predictions stub built from inference.proto as TorchServe publishes it (in its jar), on the
+    shipped archive's gRPC port (its config.properties)."""
+    import grpc
+    from grpc_tools import protoc
+    import grpc_tools
+    import ts
+
+    out = str(tmp_path_factory.mktemp("grpc"))
+    with zipfile.ZipFile(os.path.join(os.path.dirname(ts.__file__), "frontend", "model-server.jar")) as jar:
+        for name in ("inference.proto", "google/rpc/status.proto"):
+            jar.extract(name, out)
+    well_known = os.path.join(os.path.dirname(grpc_tools.__file__), "_proto")
+    assert protoc.main(["protoc", f"-I{out}", f"-I{well_known}", f"--python_out={out}", f"--grpc_python_out={out}",
+                        "inference.proto", "google/rpc/status.proto"]) == 0
+    sys.path.insert(0, out)
+    try:
+        import inference_pb2
+        import inference_pb2_grpc
+    finally:
+        sys.path.remove(out)
+    with open(shipped.properties) as f:
+        port = next(line.split("=", 1)[1].strip() for line in f if line.startswith("grpc_inference_port="))
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    stub = inference_pb2_grpc.InferenceAPIsServiceStub(channel)
+
+    def predict(data: bytes):
+        request = inference_pb2.PredictionsRequest(model_name=NAME, input={"data": data})
+        return json.loads(stub.Predictions(request, timeout=60).prediction)
+
+    yield predict
+    channel.close()
+
+
+def test_grpc_answers_what_http_answers_and_fails_a_malformed_request_alone(grpc_inference, shipped):
+    predict = grpc_inference
+    http = f"{shipped.inference}/predictions/{NAME}"
+    text = "A man is eating food."
+    assert cosine(predict(text.encode())["embedding"], embedding(http, text)) >= 0.9999
+    listed = predict(json.dumps({"text": SHORT}).encode())  # gRPC sends no content type: JSON by its shape
+    assert [round(cosine(a["embedding"], embedding(http, t)), 4) for a, t in zip(listed, SHORT)] == [1.0] * 4
+    # TorchServe 0.12's GRPCJob drops the handler's status code: a request that fails arrives as an
+    # OK reply whose prediction is tsbatch's JSON error, for that request alone
+    failed = predict(b"\xff\xfe not utf-8")
+    assert failed["code"] == 400 and "UTF-8" in failed["error"]
+    bad_item = predict(json.dumps({"text": ["fine", ""]}).encode())
+    assert bad_item["code"] == 400 and bad_item["index"] == 1
+    assert cosine(predict(SHORT[2].encode())["embedding"], embedding(http, SHORT[2])) >= 0.9999  # still serving
+
