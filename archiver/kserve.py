@@ -5,8 +5,10 @@ What this follows, and where it comes from:
   kserve.github.io/website/0.12/modelserving/v1beta1/torchserve/; kserve/website
   docs/modelserving/v1beta1/torchserve/README.md): storageUri holds `config/config.properties`
   and `model-store/NAME.mar`; TorchServe's inference and management APIs on port 8085, metrics on
-  8082; `enable_envvars_config=true` so the runtime can set the KServe request envelope through an
-  environment variable (the older `service_envelope` key is deprecated); `model_snapshot` names
+  8082; the runtime sets the KServe request envelope through an environment variable
+  (TS_SERVICE_ENVELOPE), which TorchServe reads only with `enable_envvars_config=true`: tsbatch
+  turns it off and reads KServe's v1 and v2 request shapes itself (handlers/envelopes.py), because
+  TorchServe's envelopes answer only the first request of a frontend batch; `model_snapshot` names
   the model and its workers and batching.
 - KServe's runtime (kserve/kserve config/runtimes/kserve-torchserve.yaml) runs `torchserve --start
   --model-store=/mnt/models/model-store --ts-config=/mnt/models/config/config.properties` with
@@ -123,9 +125,10 @@ def render_properties(name: str, config: Mapping[str, Any], tuned: tuple[tuple[s
         f"grpc_inference_port={GRPC_PORTS[0]}",
         f"grpc_management_address={bind}",
         f"grpc_management_port={GRPC_PORTS[1]}",
-        "# KServe sets the request envelope through TS_SERVICE_ENVELOPE (kserve for protocol v1): TorchServe reads",
-        "# environment variables only with this on (KServe's docs: service_envelope is deprecated).",
-        "enable_envvars_config=true",
+        "# KServe's runtime sets TS_SERVICE_ENVELOPE (kserve, kservev2); TorchServe's envelopes answer only the first",
+        "# request of a frontend batch. tsbatch reads KServe's v1 and v2 request shapes itself and batches them, so",
+        "# environment variables stay unread: no envelope wraps the handler.",
+        "enable_envvars_config=false",
         f"model_store={MODEL_STORE}",
         "# Models load only from the mounted model store: no registration from URLs (ShellTorch, CVE-2023-43654).",
         f"allowed_urls={_escape(allowed)}",
@@ -194,8 +197,9 @@ def inference_service(name: str, storage_uri: str, resources: Resources) -> str:
     model = ("spec", "predictor", "model")
     comments = {
         model + ("modelFormat",): "pytorch selects KServe's TorchServe runtime (kserve-torchserve)",
-        model + ("protocolVersion",): f"v1: POST /v1/models/{name}:predict with {{\"instances\": [...]}}; the runtime "
-                                      "sets TS_SERVICE_ENVELOPE=kserve",
+        model + ("protocolVersion",): f"v1: POST /v1/models/{name}:predict with {{\"instances\": [...]}}; v2 (POST "
+                                      f"/v2/models/{name}/infer, a BYTES tensor of texts) is answered too: tsbatch "
+                                      "reads both shapes itself and batches them",
         model + ("storageUri",): "holds config/config.properties and model-store/ of this export: copy them there",
         model + ("resources",): resources.reason,
     }

@@ -205,15 +205,13 @@ def archive(request: Request, out: str, settings: Mapping[str, Any], profile_pat
 def export_kserve(request: Request, out: str, storage_uri: str | None = None, profile_path: str | None = None,
                   no_tune: bool = False, bind: str = "127.0.0.1", progress: Progress = lambda _: None) -> Built:
     """OUT/config/config.properties, OUT/model-store/NAME.mar and OUT/inferenceservice.yaml."""
-    if request.overrides.get("batchSize", 1) != 1:
-        raise kserve.KServeError("--batch-size must stay 1 for KServe: TorchServe's KServe envelope answers only the "
-                                 "first request of a frontend batch")
     paths = kserve.layout(out, request.name)
     storage_uri = kserve.check_storage_uri(storage_uri or f"pvc://tsbatch-models/{kserve.k8s_name(request.name)}")
     store = os.path.dirname(paths.mar)
     kserve.check_store(paths)  # before spending a build on it
-    # KServe's envelope calls handle() synchronously and answers one frontend request per batch
-    mode = frontend_keys("kserve")
+    # tsbatch reads KServe's request shapes itself (handlers/envelopes.py), so the pod batches as
+    # the shipped archive does: continuous mode, tsbatch's scheduler
+    mode = frontend_keys("continuous")
     if no_tune:
         config = model_config(request.section, {**mode, **request.overrides})
         mar = build_archive(ArchiveSpec(request.model_dir, request.name, config, store), progress)
@@ -222,7 +220,7 @@ def export_kserve(request: Request, out: str, storage_uri: str | None = None, pr
         tuning = None
     else:
         profile = _obtain_profile(request, profile_path, progress)
-        tuning, source = tune_for(request, profile, mode="kserve")
+        tuning, source = tune_for(request, profile, mode="continuous")
         config, text = tuned_config(request, tuning, profile, source)
         profile_file = _profile_file(profile, out, request.name)
         spec = ArchiveSpec(request.model_dir, request.name, config, store,

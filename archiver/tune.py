@@ -19,8 +19,7 @@ meets the target exactly when every allowed pass has p90 <= (target - max_wait_m
 bucket takes, independently, its fastest size (requests/s) among those within that per-pass
 budget. Timings are first made monotone in work (see `monotone`), so one noisy measurement does
 not decide a cap. A queue longer than one pass (offered load past capacity) is outside the model: that is
-what bench/tune_bench.py measures. In TorchServe's default batching mode with batchSize 1 (the
-KServe export, mode "kserve") there is one lane and no max_wait.
+what bench/tune_bench.py measures.
 
 Pure: no torch, no clock, no files.
 """
@@ -45,7 +44,7 @@ ASSUMED_LOAD_SECONDS = 30.0  # when the profile does not say how long the model 
 MIN_JOB_QUEUE = 100  # TorchServe's default job_queue_size
 MAX_WAIT_SHARE = 0.1  # max_wait_ms never takes more than this share of the target
 INTAKE_ROOM = 32  # continuous mode: requests a full worker still takes in (to answer 503 itself)
-MODES = ("continuous", "async", "kserve")
+MODES = ("continuous", "async")
 
 
 class TuneError(Exception):
@@ -282,17 +281,14 @@ def tune(profile: LatencyProfile, target_ms: float, machine: Machine, config: Ha
     fixed = set(fixed)
     frontend = _mode(mode, config.queue_cap)  # first: refuses an unknown mode
     _refuse(profile, target_ms, config, fixed)
-    scheduler = mode != "kserve"  # tsbatch's scheduler and lanes form the batches
     edges = _edges(profile, config)
     use_gpu = str(profile.environment.get("device", "cpu")).startswith("cuda")
     workers, threads = plan_workers(machine, use_gpu, config.torch_threads if "torch_threads" in fixed else None)
-    lanes = split_lanes(edges, config.long_lane_from) if scheduler else [edges]
-    wait = None
-    if scheduler:
-        wait = (Choice(config.max_wait_ms, "set in the handler configuration") if "max_wait_ms" in fixed
-                else choose_max_wait(profile, edges, target_ms))
+    lanes = split_lanes(edges, config.long_lane_from)
+    wait = (Choice(config.max_wait_ms, "set in the handler configuration") if "max_wait_ms" in fixed
+            else choose_max_wait(profile, edges, target_ms))
     intake_ms = config.poll_ms if mode == "continuous" else 0  # a new request is taken in within poll_ms
-    wait_ms = (wait.value if wait else 0) + intake_ms
+    wait_ms = wait.value + intake_ms
     budget = (target_ms - wait_ms) / 2
     plans = _plan_buckets(profile, edges, lanes, config, target_ms, wait_ms, budget)
     memory = ""
@@ -311,13 +307,12 @@ def tune(profile: LatencyProfile, target_ms: float, machine: Machine, config: Ha
                              + memory),
         "torch_threads": threads,
     }
-    if wait is not None:
-        handler["max_wait_ms"] = wait
-        handler["deadline_ms"] = (
-            Choice(config.deadline_ms, "set in the handler configuration") if "deadline_ms" in fixed
-            else Choice(int(math.ceil(2 * target_ms)), f"twice the p99 target ({target_ms:g} ms): a request whose "
-                        "lane has more work queued than this allows is refused at once (503, Retry-After), one "
-                        "still waiting at it is answered 504, never late; clients may ask for less with X-Deadline-Ms"))
+    handler["max_wait_ms"] = wait
+    handler["deadline_ms"] = (
+        Choice(config.deadline_ms, "set in the handler configuration") if "deadline_ms" in fixed
+        else Choice(int(math.ceil(2 * target_ms)), f"twice the p99 target ({target_ms:g} ms): a request whose "
+                    "lane has more work queued than this allows is refused at once (503, Retry-After), one "
+                    "still waiting at it is answered 504, never late; clients may ask for less with X-Deadline-Ms"))
     properties = _serving(frontend, plans, workers, use_gpu, profile, config, target_ms)
     return Tuning(target_ms, machine, mode, frontend, handler, properties, plans)
 
@@ -412,21 +407,12 @@ def _mode(mode: str, queue_cap: int) -> dict[str, Choice]:
             "maxBatchDelay": Choice(1, "how long the frontend waits for company for an idle worker's first request: "
                                        "tsbatch batches, so 1 ms (0 would be replaced by 100)"),
         }
-    if mode == "async":
-        return {
-            "asyncCommunication": Choice(True, "tsbatch's scheduler batches by length bucket in the worker; asked for "
-                                               "with --mode async (TorchServe 0.12 does not replace an async worker "
-                                               "that dies)"),
-            "continuousBatching": Choice(False, "async mode instead"),
-            "batchSize": Choice(1, "async mode: the frontend hands each request over at once and tsbatch batches"),
-            "maxBatchDelay": Choice(1, "unused with batchSize 1 (0 would be replaced by 100)"),
-        }
-    return {
-        "continuousBatching": Choice(False, "TorchServe's KServe envelope answers one request per call"),
-        "asyncCommunication": Choice(False, "TorchServe's KServe envelope (ts/torch_handler/request_envelope) "
-                                            "calls handle() synchronously: async mode's coroutine would never run"),
-        "batchSize": Choice(1, "the KServe envelope reads only the first request of a frontend batch: a larger "
-                               "batch would leave the others unanswered; tsbatch batches one request's instances"),
+    return {  # async
+        "asyncCommunication": Choice(True, "tsbatch's scheduler batches by length bucket in the worker; asked for "
+                                           "with --mode async (TorchServe 0.12 does not replace an async worker "
+                                           "that dies)"),
+        "continuousBatching": Choice(False, "async mode instead"),
+        "batchSize": Choice(1, "async mode: the frontend hands each request over at once and tsbatch batches"),
         "maxBatchDelay": Choice(1, "unused with batchSize 1 (0 would be replaced by 100)"),
     }
 

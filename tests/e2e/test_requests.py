@@ -19,7 +19,7 @@ import pytest
 from tsbatch.archiver import server
 from tsbatch.handlers.stages import PADDED_HEADER
 from tests.e2e.client import post, post_together
-from tests.e2e.conftest import NAME, serve_built
+from tests.e2e.conftest import NAME, serve_built, tsbatch
 from tests.support import cosine
 
 SHORT = ["A man is eating food.", "Cats sleep a lot.", "It rained all day in the city.", "Jazz at noon."]
@@ -166,3 +166,67 @@ def test_grpc_answers_what_http_answers_and_fails_a_malformed_request_alone(grpc
     assert bad_item["code"] == 400 and bad_item["index"] == 1
     assert cosine(predict(SHORT[2].encode())["embedding"], embedding(http, SHORT[2])) >= 0.9999  # still serving
 
+
+# -- KServe ----------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def kserve_pod(tmp_path_factory, built_profile):
+    """`tsbatch export --kserve` started as KServe's TorchServe runtime starts it: `torchserve
+    --start --model-store --ts-config` with the export's own config.properties (the model loads
+    from its model_snapshot) and TS_SERVICE_ENVELOPE set as the runtime sets it. Only /mnt/models
+    becomes this folder and the pod's ports free loopback ones."""
+    root = tmp_path_factory.mktemp("kserve")
+    out = root / "export"
+    tsbatch("export", "--kserve", "--out", str(out), "--name", NAME, "--profile", built_profile)
+    properties = out / "config" / "config.properties"
+    text = properties.read_text()
+    assert "enable_envvars_config=false" in text
+    ports = server.free_ports(4)
+    for old, new in (("/mnt/models", str(out)), (":8085", f":{ports[0]}"), ("0.0.0.0:8082", f"127.0.0.1:{ports[1]}"),
+                     ("grpc_inference_port=7070", f"grpc_inference_port={ports[2]}"),
+                     ("grpc_management_port=7071", f"grpc_management_port={ports[3]}")):
+        assert old in text, old
+        text = text.replace(old, new)
+    properties.write_text(text)
+    paths = server.ServerPaths(str(root / "tmp"), str(root / "logs"))
+    os.makedirs(paths.tmpdir)
+    os.makedirs(paths.logs)
+    env = {**paths.env(), "TS_SERVICE_ENVELOPE": "kservev2"}  # what the runtime sets for protocol v2
+    subprocess.run([server.torchserve_bin(), "--start", f"--model-store={out}/model-store", f"--ts-config={properties}"],
+                   env=env, cwd=paths.tmpdir, check=True, timeout=120, stdout=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{ports[0]}"
+    try:
+        server.wait_ready(url, NAME, 600, log_hint=f"; see {paths.logs}")
+        yield url
+    finally:
+        server.stop(paths)
+
+
+def test_kserve_v1_instances_are_batched_and_answered_as_predictions(kserve_pod):
+    texts = SHORT + [LONG]
+    alone = [a.body["embedding"] for a in post_together(f"{kserve_pod}/predictions/{NAME}", texts)]
+    calls = post_together(f"{kserve_pod}/v1/models/{NAME}:predict",
+                          [(json.dumps({"instances": texts}), "application/json")] * 3)
+    for answer in calls:
+        assert answer.status == 200, answer.body
+        predictions = answer.body["predictions"]
+        assert [round(cosine(p["embedding"], a), 3) for p, a in zip(predictions, alone)] == [1.0] * 5
+        assert answer.headers[PADDED_HEADER].split(",")[-1] != answer.headers[PADDED_HEADER].split(",")[0]
+    objects = post(f"{kserve_pod}/v1/models/{NAME}:predict", {"instances": [{"text": t} for t in SHORT]},
+                   "application/json")
+    assert objects.status == 200 and len(objects.body["predictions"]) == 4
+
+
+def test_kserve_v2_tensor_of_texts_is_answered_in_the_open_inference_protocol(kserve_pod):
+    alone = [a.body["embedding"] for a in post_together(f"{kserve_pod}/predictions/{NAME}", SHORT)]
+    tensor = {"id": "r1", "inputs": [{"name": "text", "shape": [4], "datatype": "BYTES", "data": SHORT}]}
+    answer = post(f"{kserve_pod}/v2/models/{NAME}/infer", tensor, "application/json")
+    assert answer.status == 200, answer.body
+    assert answer.body["model_name"] == NAME
+    embedding = next(o for o in answer.body["outputs"] if o["name"] == "embedding")
+    assert embedding["shape"] == [4, 384] and embedding["datatype"] == "FP32"
+    rows = [embedding["data"][i * 384:(i + 1) * 384] for i in range(4)]
+    assert all(cosine(row, a) >= 0.999 for row, a in zip(rows, alone))
+    bad = post(f"{kserve_pod}/v2/models/{NAME}/infer",
+               {"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [1.0]}]}, "application/json")
+    assert bad.status == 400 and "BYTES" in bad.body["error"]

@@ -201,9 +201,10 @@ def test_export_kserve_writes_the_layout_and_manifest(tmp_path, minilm_dir, prof
         values = read_properties(f.read())
     entry = json.loads(values["model_snapshot"])["models"]["minilm"]["1.0"]
     config = yaml.safe_load(mar_member(str(out / "model-store" / "minilm.mar"), "model-config.yaml"))
-    assert config["asyncCommunication"] is False and config["batchSize"] == 1  # KServe's envelope is synchronous
-    assert entry["minWorkers"] == config["minWorkers"] and entry["batchSize"] == 1
-    assert values["model_store"] == "/mnt/models/model-store" and values["enable_envvars_config"] == "true"
+    # batched like the shipped archive: tsbatch reads KServe's shapes itself, TorchServe's envelope stays off
+    assert config["continuousBatching"] is True and config["batchSize"] > 1
+    assert entry["minWorkers"] == config["minWorkers"] and entry["batchSize"] == config["batchSize"]
+    assert values["model_store"] == "/mnt/models/model-store" and values["enable_envvars_config"] == "false"
     assert values["metrics_config"] == "/mnt/models/config/metrics.yaml"
     assert (out / "config" / "metrics.yaml").is_file()
     with open(out / "inferenceservice.yaml") as f:
@@ -214,10 +215,8 @@ def test_export_kserve_writes_the_layout_and_manifest(tmp_path, minilm_dir, prof
     assert model["resources"]["limits"]["cpu"] == str(config["minWorkers"] * config["handler"]["torch_threads"])
 
 
-def test_export_needs_kserve_and_a_batch_of_one(tmp_path):
+def test_export_needs_kserve(tmp_path):
     refused(tsbatch("export", "--out", str(tmp_path / "k")), "--kserve")
-    refused(tsbatch("export", "--kserve", "--no-tune", "--batch-size", "8", "--out", str(tmp_path / "k")),
-            "--batch-size must stay 1")
     assert not (tmp_path / "k").exists()
 
 

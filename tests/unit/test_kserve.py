@@ -25,7 +25,8 @@ def properties(**kwargs) -> tuple[str, dict[str, str]]:
 def test_properties_follow_kserves_torchserve_layout():
     _text, values = properties()
     assert values["model_store"] == "/mnt/models/model-store"
-    assert values["enable_envvars_config"] == "true"  # KServe sets the envelope through TS_SERVICE_ENVELOPE
+    # KServe's runtime sets TS_SERVICE_ENVELOPE: unread, tsbatch reads KServe's shapes itself and batches them
+    assert values["enable_envvars_config"] == "false"
     assert "service_envelope" not in values  # deprecated in favour of the environment variable
     port = lambda key: int(values[key].rsplit(":", 1)[1])  # noqa: E731
     assert port("inference_address") == port("management_address") == 8085  # where the wrapper forwards

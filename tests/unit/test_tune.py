@@ -283,14 +283,6 @@ def test_unknown_mode_is_refused():
         tune(linear(), 500, TWO_CORES, EMBEDDING, mode="turbo")
 
 
-def test_default_mode_has_one_lane_and_no_wait():
-    tuning = tune(linear(), 500, TWO_CORES, EMBEDDING, mode="kserve")
-    assert tuning.frontend["asyncCommunication"].value is False and tuning.frontend["batchSize"].value == 1
-    assert tuning.frontend["continuousBatching"].value is False
-    assert "max_wait_ms" not in tuning.handler
-    assert {p.lane for p in tuning.buckets} == {0}
-
-
 def test_max_wait_is_as_long_as_running_alone_capped_by_the_target():
     assert tune(linear(fixed_ms=3.2), 500, TWO_CORES, EMBEDDING).handler["max_wait_ms"].value == 4
     assert tune(linear(fixed_ms=30), 100, TWO_CORES, EMBEDDING).handler["max_wait_ms"].value == 10
