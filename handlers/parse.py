@@ -64,9 +64,14 @@ def _form_value(value: Any) -> str:
 
 def many(value: Any, content_type: str | None = None) -> tuple[list, str] | None:
     """(one body per text, its envelope) of a request of several texts (handlers/envelopes.py:
-    a JSON list, KServe v1 instances, a KServe v2 tensor of texts), or None for a request of one."""
+    a JSON list, KServe v1 instances, a KServe v2 tensor of texts), or None for a request of one.
+    A body that does not read as JSON is a request of one: its model's prepare says what is wrong
+    with it, in its own words."""
     if isinstance(value, (bytes, bytearray)):
-        value = _body(bytes(value), content_type)
+        try:
+            value = _body(bytes(value), content_type)
+        except BadInput:
+            return None
     return unwrap(value) if isinstance(value, Mapping) else None
 
 
