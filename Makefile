@@ -20,7 +20,7 @@ ARCHIVE_ARGS ?=
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 SERVE_ENV = TMPDIR=$(RUN_DIR)/tmp TEMP=$(RUN_DIR)/tmp LOG_LOCATION=$(RUN_DIR)/logs METRICS_LOCATION=$(RUN_DIR)/logs PATH=$(CURDIR)/$(VENV)/bin:$$PATH
 
-.PHONY: setup java archive serve stop test test-unit test-transformers4 test-wheel bench-generate bench bench-warmup bench-idle bench-workers soak chaos clean help
+.PHONY: setup java archive serve stop test test-unit test-transformers4 test-wheel bench-generate bench-many bench bench-warmup bench-idle bench-workers soak chaos clean help
 
 help:
 	@echo "make serve    set up, archive all-MiniLM-L6-v2 as '$(NAME)' and serve it on 127.0.0.1:8080-8082"
@@ -33,6 +33,7 @@ help:
 	@echo "make bench-idle    one pass after idle pauses of 1-200 ms: how cold a waiting worker gets"
 	@echo "make bench-workers the built archive with 1, 2 and 3 workers: lone requests, mixed load, logs, idle CPU"
 	@echo "make bench-generate asks for 8 tokens among asks for 256: the generation example vs TorchServe's batching"
+	@echo "make bench-many     32 texts as one request against 32 requests: time, padding, equal vectors"
 	@echo "make soak     50,000 requests through async mode; frontend memory at start and end"
 	@echo "make chaos    worker killed mid-batch and overload at 3x capacity (bench/results/chaos.*)"
 
@@ -112,6 +113,9 @@ bench-workers: setup
 
 bench-generate: setup java
 	$(PYTHON) bench/generate.py $(BENCH_ARGS)
+
+bench-many: setup java
+	$(PYTHON) bench/many_texts.py $(BENCH_ARGS)
 
 soak: setup
 	$(PYTHON) bench/soak.py $(BENCH_ARGS)
