@@ -47,6 +47,9 @@ class Request:
 
     body: Any
     content_type: str | None = None
+    # for one text of a request of several (split): the shape the request's answer goes back in
+    # (handlers/envelopes.py; empty when a team's split() does not say: a plain JSON list)
+    envelope: str = ""
 
     def text(self) -> str:
         """The body as text: a text/plain body, or JSON {"text": "..."}; BadInput otherwise."""
@@ -87,7 +90,10 @@ class Model(abc.ABC):
         results as one list in order. By default: JSON {"text": [...]} (or "inputs", "input"), KServe
         v1 instances and a KServe v2 tensor of texts (handlers/envelopes.py)."""
         found = many(request.body, request.content_type)
-        return None if found is None else [Request(body, request.content_type) for body in found[0]]
+        if found is None:
+            return None
+        bodies, envelope = found
+        return [Request(body, request.content_type, envelope) for body in bodies]
 
 
 def device_type(model: Model) -> str:

@@ -21,7 +21,7 @@ from tsbatch.handlers.api import Request
 from tsbatch.handlers.buckets import Item, bucket_for, bucket_label, bucket_tokens, is_length, longest, sizes
 from tsbatch.handlers.errors import BadInput, InputTooLong, ModelFailed, OutOfMemory, Overloaded, ServingError
 from tsbatch.handlers.envelopes import LIST, wrap
-from tsbatch.handlers.parse import many, row_value
+from tsbatch.handlers.parse import row_value
 from tsbatch.handlers.scheduler import Answer
 
 logger = logging.getLogger(__name__)
@@ -127,7 +127,7 @@ def prepare(model, edges: Sequence[int], unfit: Collection[int], data: list, con
         try:
             request = Request(row_value(data[index], media), media)
             parts = _split(model, request, limits)
-            envelope = (many(request.body, media) or ((), LIST))[1] if parts else ""
+            envelope = (parts[0].envelope or LIST) if parts else ""  # a team's split() may not say
             row = [_prepare_one(model, edges, unfit, part, index, n, len(parts) if parts else 0, envelope)
                    for n, part in enumerate(parts or [request])]
             failed = next((n for n, item in enumerate(row) if isinstance(item, ServingError)), None)
