@@ -152,3 +152,15 @@ def serve_built(root, profile: str, *extra: str) -> server.Served:
                            f"http://127.0.0.1:{ports[2]}", paths, store, properties)
     server.start(properties, store, paths)
     return served
+
+
+@pytest.fixture(scope="module")
+def shipped(tmp_path_factory, built_profile) -> server.Served:
+    """The archive as `make archive` builds it on this 2-core machine (1 worker), served as
+    built; one per test module, so a module that scales it leaves the others alone."""
+    served = serve_built(tmp_path_factory.mktemp("shipped"), built_profile)
+    try:
+        server.wait_ready(served.management, NAME, 600)
+        yield served
+    finally:
+        server.stop(served.paths)

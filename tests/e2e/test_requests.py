@@ -19,24 +19,13 @@ import pytest
 from tsbatch.archiver import server
 from tsbatch.handlers.stages import PADDED_HEADER
 from tests.e2e.client import post, post_together
-from tests.e2e.conftest import NAME, serve_built, tsbatch
+from tests.e2e.conftest import NAME, tsbatch
 from tests.support import cosine
 
 SHORT = ["A man is eating food.", "Cats sleep a lot.", "It rained all day in the city.", "Jazz at noon."]
 LONG = " ".join(["A far longer passage about serving language models, bucketing requests by their length"
                  " and warming every shape before a worker says it is ready."] * 5)
 MIXED = [SHORT[i % 4] + f" ({i})" for i in range(31)] + [LONG]  # 32 texts, one of them long
-
-
-@pytest.fixture(scope="module")
-def shipped(tmp_path_factory, built_profile):
-    """The archive as `tsbatch archive` builds it (the make serve archive), served as built."""
-    served = serve_built(tmp_path_factory.mktemp("requests"), built_profile)
-    try:
-        server.wait_ready(served.management, NAME, 600)
-        yield served
-    finally:
-        server.stop(served.paths)
 
 
 @pytest.fixture(scope="module", params=["shipped", "default", "async"])

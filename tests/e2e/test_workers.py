@@ -38,17 +38,6 @@ STRANDED_S = 0.9
 
 
 @pytest.fixture(scope="module")
-def shipped(tmp_path_factory, built_profile):
-    """The 2-core archive, as `make archive` builds it here (1 worker)."""
-    served = serve_built(tmp_path_factory.mktemp("shipped"), built_profile)
-    try:
-        server.wait_ready(served.management, NAME, 600)
-        yield served
-    finally:
-        server.stop(served.paths)
-
-
-@pytest.fixture(scope="module")
 def reference(minilm_dir):
     from sentence_transformers import SentenceTransformer
 
