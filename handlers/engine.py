@@ -6,7 +6,10 @@ passes run on lane threads, never on TorchServe's thread. With two lanes, short 
 buckets run on separate threads that share the cores (the long one at a lower OS priority), so a
 short request never waits for a long pass to end. The long lane also helps: with no long batch
 ready and the short lane busy, it runs the next short batch, so a short request that arrives
-during a short pass does not wait for that pass either (the short lane never runs long batches).
+during a short pass does not wait for that pass either. The short lane runs long batches only when
+the long lane falls behind (more than BEHIND of its passes queued): on this mix the long lane is
+what bounds a worker's throughput, and under sustained load the short lane's core would otherwise
+idle between short batches while long requests queue.
 
 Deadlines are kept twice: a ticket whose pass could not end before its deadline (`pass_seconds`,
 from the latency profile) gets 504 instead of running, and a result that is ready only after the
@@ -25,6 +28,12 @@ from tsbatch.handlers.isolate import Isolator
 from tsbatch.handlers.scheduler import Answer, Scheduler, Ticket
 
 logger = logging.getLogger(__name__)
+
+
+# a later lane is behind when more than this many of its passes are queued behind the one it runs:
+# at light load a long request waits for at most one long pass and short requests keep their lane
+# to themselves; under sustained load the short lane's idle core takes long passes too
+BEHIND = 2
 
 
 def missed_deadline() -> DeadlineExceeded:
@@ -130,6 +139,9 @@ class Engine:
             helped = self._helped(index)
             if picked is None and helped:
                 picked = self.scheduler.next_batch(now, helped)
+            if picked is None:
+                behind = self._behind(index)
+                picked = self.scheduler.next_batch(now, behind) if behind else None
             if picked is None and not expired:
                 if self.stopping:
                     return
@@ -156,6 +168,18 @@ class Engine:
                 return 0.0
             now = self.clock()
             return min(max(started + typical - now, typical / 10) for started, typical in self.passes)
+
+    def _behind(self, index: int) -> tuple[int, ...]:
+        """Buckets of later (longer) lanes that are busy with more than BEHIND passes queued (by
+        the latency profile): lane `index`, with nothing of its own or of earlier lanes to run,
+        takes their batches rather than idle its share of the cores while they queue. Called under cond."""
+        out = ()
+        for i in range(index + 1, len(self.lanes)):
+            typical = self.passes[i][1]
+            if self.busy[i] and typical > 0 and \
+                    self.scheduler.backlog(self.lanes[i], self.pass_seconds) > BEHIND * typical:
+                out += self.lanes[i]
+        return out
 
     def _helped(self, index: int) -> tuple[int, ...]:
         """Buckets of earlier (shorter) lanes that are busy now: lane `index` may run their batches

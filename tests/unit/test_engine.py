@@ -138,12 +138,13 @@ def ticket(bucket: int, deadline_in: float | None = None) -> Ticket:
 def make_engine():
     isolators = []
 
-    def make(isolator=None, lanes=(EDGES,), on_batch=None, **overrides):
+    def make(isolator=None, lanes=(EDGES,), on_batch=None, timing=None, **overrides):
+        """`timing`: the Engine's pass_seconds and typical_pass keyword arguments (the latency profile)."""
         isolator = isolator or FakeIsolator()
         isolators.append(isolator)
         deliveries = Deliveries()
         engine = Engine(make_scheduler(policy(**overrides)), isolator, list(lanes), deliveries,
-                        on_batch=on_batch).start()
+                        on_batch=on_batch, **(timing or {})).start()
         engines.append(engine)
         return engine, isolator, deliveries
 
@@ -400,6 +401,56 @@ def test_the_long_lane_runs_its_own_batch_before_helping(make_engine):
     by_lane = {lane: [b.bucket for b, t in zip(isolator.calls, isolator.threads) if t == lane]
                for lane in set(isolator.threads)}
     assert by_lane == {"tsbatch-lane-0": [16], "tsbatch-lane-1": [256, 64]}
+    isolator.release.set()
+    assert deliveries.wait_count(21)
+
+
+PROFILE = {"pass_seconds": lambda bucket: 0.1, "typical_pass": lambda size, bucket: 0.1}
+
+
+def _long_pass_running(make_engine, queued: int):
+    """The long lane blocked in a 256 pass (cap 1) with `queued` more 256 tickets behind it."""
+    isolator = FakeIsolator(block=(256,))
+    engine, isolator, deliveries = make_engine(isolator, lanes=split_lanes(EDGES, 128), max_wait=10.0,
+                                               timing=PROFILE)
+    engine.submit([ticket(256)])
+    assert isolator.entered.wait(WAIT), "the long lane never started its pass"
+    engine.submit([ticket(256) for _ in range(queued)])
+    return engine, isolator, deliveries
+
+
+def test_the_short_lane_takes_long_batches_when_the_long_lane_falls_behind(make_engine):
+    engine, isolator, deliveries = _long_pass_running(make_engine, queued=3)  # 3 passes queued > BEHIND
+    assert _until(lambda: "tsbatch-lane-0" in isolator.threads), "the idle short lane left the long queue alone"
+    with isolator.lock:
+        assert [b.bucket for b in isolator.calls] == [256, 256]
+    isolator.release.set()
+    assert deliveries.wait_count(4)
+
+
+def test_the_short_lane_leaves_one_queued_long_pass_alone_and_keeps_serving_shorts(make_engine):
+    engine, isolator, deliveries = _long_pass_running(make_engine, queued=2)  # 2 passes: not behind
+    shorts = [ticket(64) for _ in range(4)]  # cap 4: ready at once
+    engine.submit(shorts)
+    assert deliveries.wait_for(lambda got: {id(t) for t, _, _ in got} >= set(map(id, shorts)))
+    time.sleep(0.2)  # time enough to (wrongly) take a long batch
+    assert isolator.threads == ["tsbatch-lane-1", "tsbatch-lane-0"]
+    assert [b.bucket for b in isolator.calls] == [256, 64]
+    isolator.release.set()
+    assert deliveries.wait_count(7)
+
+
+def test_a_behind_long_lane_does_not_take_the_short_lane_from_its_own_batches(make_engine):
+    isolator = FakeIsolator(block=(256, 16))
+    engine, isolator, deliveries = make_engine(isolator, lanes=split_lanes(EDGES, 128), max_wait=10.0,
+                                               timing=PROFILE)
+    with engine.cond:  # all queued before any lane looks: the short lane must pick its own first
+        for t in [ticket(256) for _ in range(5)] + [ticket(16) for _ in range(16)]:
+            engine.scheduler.submit(t)
+        engine.cond.notify_all()
+    assert _until(lambda: len(isolator.threads) == 2)
+    assert sorted(zip(isolator.threads, [b.bucket for b in isolator.calls])) == \
+        [("tsbatch-lane-0", 16), ("tsbatch-lane-1", 256)]
     isolator.release.set()
     assert deliveries.wait_count(21)
 
