@@ -14,19 +14,29 @@ import urllib.error
 from typing import Callable
 
 
-def _stat_fields(pid: int) -> list[str]:
-    """/proc/PID/stat after the command name (which may hold spaces and parentheses)."""
-    with open(f"/proc/{pid}/stat") as f:
+def _stat_fields(pid: int, tid: int | None = None) -> list[str]:
+    """/proc/PID/stat (or one thread's, /proc/PID/task/TID/stat) after the command name (which may
+    hold spaces and parentheses)."""
+    with open(f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat") as f:
         return f.read().rsplit(")", 1)[1].split()
 
 
-def cpu_seconds(pid: int) -> float | None:
-    """User + system CPU time of a process, from /proc; None once it is gone."""
+def cpu_seconds(pid: int, tid: int | None = None) -> float | None:
+    """User + system CPU time of a process (or of one of its threads), from /proc; None once it is gone."""
     try:
-        fields_ = _stat_fields(pid)
+        fields_ = _stat_fields(pid, tid)
         return (int(fields_[11]) + int(fields_[12])) / os.sysconf("SC_CLK_TCK")
     except (OSError, IndexError, ValueError):
         return None
+
+
+def threads_cpu(pid: int) -> dict[int, float]:
+    """CPU seconds of each thread of a process, by native thread id ({} once it is gone)."""
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return {}
+    return {tid: secs for tid in tids if (secs := cpu_seconds(pid, tid)) is not None}
 
 
 def rss_kb(pid: int | None) -> int | None:

@@ -9,13 +9,14 @@ import re
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 from bench.loadtest import report
 from bench.loadtest.arrivals import at_arrivals, poisson_arrivals
 from bench.loadtest.client import Shot, read_response, request_head, shoot, split_url
 from bench.loadtest.load import Result, as_result
-from bench.loadtest.proc import MemorySampler, alive, cpu_seconds, pids_with, rss_kb
+from bench.loadtest.proc import MemorySampler, alive, cpu_seconds, pids_with, rss_kb, threads_cpu
 from bench.loadtest.stats import by_status, percentile, rounded
 from bench.loadtest.workload import Request
 
@@ -160,6 +161,8 @@ def test_a_shot_counts_for_the_benchmark_with_its_tokens_and_padding():
 
 def test_proc_readings_of_a_live_a_zombie_and_a_missing_process():
     assert rss_kb(os.getpid()) > 1000 and cpu_seconds(os.getpid()) > 0
+    per_thread = threads_cpu(os.getpid())
+    assert threading.get_native_id() in per_thread and sum(per_thread.values()) <= cpu_seconds(os.getpid()) + 0.05
     marker = f"tsbatch-pids-with-{os.getpid()}"
     child = subprocess.Popen([sys.executable, "-c", "import time, sys; time.sleep(30)", marker])
     try:

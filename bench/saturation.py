@@ -1,0 +1,260 @@
+"""`make bench-saturation`: where a saturated worker's time goes, against what the model can do.
+
+In one run, on the mix `make bench` sends:
+1. The in-process ceilings (no HTTP, no TorchServe, the archive's torch threads or every core, passes back to back, the same
+   texts): every text sorted by length and batched under a 4,096-token padded budget (the best
+   this model does on this machine), and the served archive's own shapes (its bucket edges and
+   batch caps, plan_batches): the honest ceiling for what the archive may form.
+2. The archive `tsbatch archive` builds (tuned, as `make serve` serves it), one worker, sent
+   open-loop Poisson traffic above what it answers: CPU seconds of every process (TorchServe's
+   Java frontend, the worker, this client) and of each worker thread (/proc), and a py-spy
+   sample of the worker's threads classified into forward passes, tokenizing, collating, response
+   encoding, TorchServe's protocol, lock and queue waits, idle.
+Writes bench/results/saturation.{json,md}. `--archive DIR` serves an archive already built
+(DIR/minilm.mar); `--rate` the offered req/s; `--seconds` the window.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+
+import yaml
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from tsbatch.archiver import server  # noqa: E402
+from bench.loadtest import report as reports  # noqa: E402
+from bench.loadtest.arrivals import poisson_arrivals  # noqa: E402
+from bench.loadtest.load import run_open_loop  # noqa: E402
+from bench.loadtest.proc import cpu_seconds, threads_cpu  # noqa: E402
+from bench.loadtest.stats import summarize  # noqa: E402
+from bench.loadtest.torchserve import worker_pids  # noqa: E402
+from bench.loadtest.workload import Mix, make_requests  # noqa: E402
+
+NAME = "minilm"
+BUDGET = 4096  # padded tokens per pass of the sorted ceiling
+THREADS = len(os.sched_getaffinity(0))  # torch threads of the ceilings unless the archive sets its own
+# what a worker thread's sample is doing, from its innermost frame ("path:function") that names it
+CATEGORIES = (
+    ("forward pass", ("torch/nn/", "modeling_bert", "runner.py:forward", "runner.py:_embeddings")),
+    ("collate", ("runner.py:_collate",)),
+    ("tokenize", ("tokenization_utils", "tokenizers", "runner.py:tokenize", "runner.py:_encode")),
+    ("response encoding (JSON)", ("json/",)),
+    ("metrics", ("ts/metrics/", "handlers/metrics.py")),
+    ("waiting for the frontend (socket read)", ("socket.py:recv", "otf_message_handler.py:retrieve_msg",
+                                                "otf_message_handler.py:_retrieve")),
+    ("TorchServe protocol (reply, socket write)", ("otf_message_handler.py", "socket.py", "model_service_worker.py")),
+)
+
+
+def ceilings(model_dir: str, section: dict, texts: list[str], seconds: float) -> dict:
+    """Requests/s and real tokens/s of the model alone, at two sets of shapes (see the module doc)."""
+    from tsbatch.handlers.buckets import Batch, Item, bucket_for, plan_batches
+    from tsbatch.handlers.config import HandlerConfig
+    from tsbatch.handlers.runner import EncoderModel
+
+    config = HandlerConfig.from_yaml({**section, "torch_threads": section.get("torch_threads") or THREADS})
+    runner = EncoderModel(config, model_dir)
+    edges = config.edges_for(runner.max_length)
+    items = []
+    for i, text in enumerate(texts):
+        tokens, enc = runner.tokenize(text)
+        items.append(Item(i, text, tokens, bucket_for(tokens, edges), enc))
+    ordered, sorted_batches, group = sorted(items, key=lambda it: it.length), [], []
+    for item in ordered:
+        if group and item.length * (len(group) + 1) > BUDGET:
+            sorted_batches.append(Batch(group[-1].length, tuple(group)))
+            group = []
+        group.append(item)
+    sorted_batches.append(Batch(group[-1].length, tuple(group)))
+    shapes = {"sorted": sorted_batches, "served": plan_batches(items, config.batch_limit)}
+    out = {}
+    for name, batches in shapes.items():
+        runner.forward(batches[0])
+        done, real, start = 0, 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            for batch in batches:
+                runner.forward(batch)
+                done, real = done + batch.size, real + batch.real_tokens
+        elapsed = time.perf_counter() - start
+        padded = sum(b.padded_tokens for b in batches)
+        out[name] = {"req_per_s": round(done / elapsed, 1), "real_tokens_per_s": round(real / elapsed, 1),
+                     "passes": len(batches), "padding": round(1 - sum(b.real_tokens for b in batches) / padded, 3)}
+    out["sorted"]["shapes"] = f"sorted by length, up to {BUDGET} padded tokens a pass"
+    out["served"]["shapes"] = "the archive's bucket edges and batch caps (plan_batches)"
+    return out
+
+
+
+def thread_names(pid: int, py_spy: str) -> dict[int, str]:
+    """Python thread names by native id (py-spy dump); native-only threads (OpenMP, the JIT) absent."""
+    text = subprocess.run([py_spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=60).stdout
+    names = {}
+    for line in text.splitlines():
+        if line.startswith("Thread "):  # Thread 123 (idle): "MainThread"
+            parts = line.split()
+            names[int(parts[1])] = line.split('"')[1] if '"' in line else parts[1]
+    return names
+
+
+def frame_key(frame: str) -> str:
+    """py-spy's "function (path:line)" as "path:function"."""
+    name, _, where = frame.partition(" (")
+    return f"{where.rsplit(':', 1)[0]}:{name}"
+
+
+def classify(frames: list[str]) -> str:
+    """One sample's category: a wait is named by the tsbatch function waiting, the rest by CATEGORIES."""
+    keys = [frame_key(f) for f in frames]
+    if keys and ("threading.py:wait" in keys[-1] or "threading.py:wait_for" in keys[-1]
+                 or (len(keys) > 1 and "threading.py:wait" in keys[-2])):
+        waiter = next((k for k in reversed(keys) if "tsbatch/" in k), "?")
+        return f"waiting ({waiter.split('tsbatch/')[-1]})"
+    for key in reversed(keys):
+        for category, marks in CATEGORIES:
+            if any(mark in key for mark in marks):
+                return category
+    return "other: " + next((k.split("/")[-1] for k in reversed(keys) if "tsbatch/" in k), keys[-1] if keys else "?")
+
+
+def sample(pid: int, seconds: float, py_spy: str, path: str, gil: bool = False) -> subprocess.Popen:
+    """py-spy record of every thread of the worker, raw collapsed stacks with native thread ids;
+    `gil`: only the samples of the thread holding the GIL."""
+    return subprocess.Popen([py_spy, "record", "--pid", str(pid), "--duration", str(int(seconds)), "--rate", "200",
+                             "--format", "raw", "--threads", "--nonblocking", "-o", path, "--gil" if gil else "--idle"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def samples_per_thread(path: str) -> collections.Counter:
+    """How many samples py-spy's raw output holds of each thread (by name)."""
+    counts = collections.Counter()
+    with open(path) as f:
+        for line in f:
+            stack, _, n = line.rstrip("\n").rpartition(" ")
+            counts[stack.split(";", 1)[0].split("): ", 1)[-1]] += int(n)
+    return counts
+
+
+def gil_shares(all_path: str, gil_path: str) -> dict[str, float]:
+    """Share of the window each thread held the GIL: its --gil samples over its samples at the same rate."""
+    every, held = samples_per_thread(all_path), samples_per_thread(gil_path)
+    return {name: round(held[name] / n, 3) for name, n in every.most_common() if n}
+
+
+def read_samples(path: str) -> dict[str, dict[str, float]]:
+    """{thread name: {category: share of that thread's samples}} from py-spy's raw output, whose
+    lines read "thread (TID): NAME;frame;frame... COUNT"."""
+    counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    with open(path) as f:
+        for line in f:
+            stack, _, n = line.rstrip("\n").rpartition(" ")
+            head, *frames = stack.split(";")
+            name = head.split("): ", 1)[-1]
+            counts[name][classify([fr for fr in frames if not fr.startswith("process ")])] += int(n)
+    return {name: {cat: round(k / sum(c.values()), 3) for cat, k in c.most_common(8)} for name, c in counts.items()}
+
+
+def overload(url: str, worker: int, java: int, rate: float, seconds: float, py_spy: str, root: str) -> dict:
+    """One open-loop window at `rate`; CPU of each process and worker thread over it; py-spy of the worker."""
+    requests = make_requests(int(rate * seconds * 1.5), Mix(), seed=21)
+    arrivals = poisson_arrivals(rate, seconds, seed=22)
+    names = thread_names(worker, py_spy)
+    before = {"frontend (java)": cpu_seconds(java), "worker": cpu_seconds(worker), "client (this process)": cpu_seconds(os.getpid())}
+    threads_before = threads_cpu(worker)
+    raw = os.path.join(root, "worker.stacks")
+    spy = sample(worker, seconds - 2, py_spy, raw)
+    gil = sample(worker, seconds - 2, py_spy, raw + ".gil", gil=True)
+    started = time.monotonic()
+    run = run_open_loop(url, requests[:len(arrivals)], arrivals, rate, seconds, timeout=60)
+    elapsed = time.monotonic() - started
+    spy.wait(timeout=120)
+    gil.wait(timeout=120)
+    after = {"frontend (java)": cpu_seconds(java), "worker": cpu_seconds(worker), "client (this process)": cpu_seconds(os.getpid())}
+    threads_after = threads_cpu(worker)
+    cpu = {k: round((after[k] - before[k]) / elapsed, 3) for k in before}
+    cpu["machine idle (2 cores minus the above)"] = round(2 - sum(cpu.values()), 3)
+    per_thread = collections.Counter()
+    for tid, secs in threads_after.items():
+        per_thread[names.get(tid, "native (OpenMP, JIT, I/O)")] += (secs - threads_before.get(tid, 0.0)) / elapsed
+    point = summarize(run)
+    return {"rate": rate, "seconds": round(elapsed, 1), "answered_per_s": round(point["ok"] / elapsed, 1),
+            "summary": point, "cores_busy": cpu,
+            "worker_threads_cores": {k: round(v, 3) for k, v in per_thread.most_common() if v > 0.005},
+            "worker_samples": read_samples(raw) if os.path.exists(raw) else {},
+            "gil_held": gil_shares(raw, raw + ".gil") if os.path.exists(raw + ".gil") else {}}
+
+
+def markdown(report: dict) -> str:
+    c, o = report["ceilings"], report["overload"]
+    lines = [f"# Where a saturated worker's time goes ({report['when']}, {report['machine']})", "",
+             f"Command: `{report['command']}`. Archive: {report['archive']}. Mix: {report['mix']}.", "",
+             "| in process (the worker's torch threads, back to back) | req/s | real tokens/s | passes | padding |", "|---|---|---|---|---|"]
+    lines += [f"| {v['shapes']} | {v['req_per_s']} | {v['real_tokens_per_s']} | {v['passes']} | {v['padding']} |" for v in c.values()]
+    s = o["summary"]
+    lines += ["", f"Served, one worker, offered {o['rate']} req/s for {o['seconds']} s: answered **{o['answered_per_s']} req/s** "
+              f"({s['sent'] - s['ok']} of {s['sent']} not 200); short p50/p99 {s['short']['p50']}/{s['short']['p99']} ms, "
+              f"long p50/p99 {s['long']['p50']}/{s['long']['p99']} ms.",
+              f"Served ÷ sorted ceiling: **{report['served_over_sorted']}**; served ÷ the archive's own shapes in process: "
+              f"**{report['served_over_shapes']}**.", "",
+              "Cores busy over the window (CPU seconds per second, of 2):", ""]
+    lines += [f"- {k}: {v}" for k, v in o["cores_busy"].items()]
+    lines += ["", "Worker threads (cores):", ""] + [f"- {k}: {v}" for k, v in o["worker_threads_cores"].items()]
+    lines += ["", "Worker threads' py-spy samples by category (share of each thread's samples):", ""]
+    for name, cats in o["worker_samples"].items():
+        lines.append(f"- {name}: " + ", ".join(f"{k} {v}" for k, v in cats.items()))
+    held = o.get("gil_held", {})
+    lines += ["", f"Share of the window each thread held the GIL (py-spy --gil): {held}; held by some thread: "
+              f"{round(sum(held.values()), 3)}."]
+    lines += ["", "Handler timing of short requests (median ms; x-tsbatch-timing):",
+              f"{s.get('short_breakdown_ms', {})}", ""]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--archive", help="a folder holding minilm.mar and its config.properties (default: build one)")
+    parser.add_argument("--rate", type=float, default=130.0)
+    parser.add_argument("--seconds", type=float, default=30.0)
+    parser.add_argument("--ceiling-seconds", type=float, default=20.0)
+    parser.add_argument("--out", default=os.path.join(reports.RESULTS, "saturation"))
+    args = parser.parse_args()
+    py_spy = os.path.join(os.path.dirname(sys.executable), "py-spy")
+    from tsbatch.archiver.cli import default_model_dir
+
+    server.stop_on_sigterm()
+    root = tempfile.mkdtemp(prefix="tsbatch-saturation-")
+    store = args.archive
+    if store is None:
+        store = os.path.join(root, "store")
+        subprocess.run([sys.executable, "-m", "tsbatch.archiver", "archive", "--name", NAME, "--out", store],
+                       check=True, stdout=subprocess.DEVNULL)
+    with zipfile.ZipFile(os.path.join(store, f"{NAME}.mar")) as mar:
+        section = yaml.safe_load(mar.read("model-config.yaml"))["handler"]
+    texts = [r.text for r in make_requests(400, Mix(), seed=99)]
+    report = {"when": reports.utc_now(), "machine": reports.machine(), "mix": "make bench's (85% short, 15% long)",
+              "command": "make bench-saturation" + (f" BENCH_ARGS='--archive {args.archive}'" if args.archive else ""),
+              "archive": "tsbatch archive (tuned, as make serve builds it)", "handler": section}
+    report["ceilings"] = ceilings(default_model_dir(), section, texts, args.ceiling_seconds)
+    print(report["ceilings"], flush=True)
+    with server.local_server(os.path.join(root, "serve"), store, [NAME], timeout=900) as served:
+        url = f"{served.inference}/predictions/{NAME}"
+        run_open_loop(url, make_requests(40, Mix(), seed=3), poisson_arrivals(10, 4, seed=3), 10, 4, timeout=60)
+        worker = worker_pids(served.management, NAME)[0]
+        report["overload"] = overload(url, worker, server.running_pid(served.paths), args.rate, args.seconds, py_spy, root)
+    answered = report["overload"]["answered_per_s"]
+    report["served_over_sorted"] = round(answered / report["ceilings"]["sorted"]["req_per_s"], 3)
+    report["served_over_shapes"] = round(answered / report["ceilings"]["served"]["req_per_s"], 3)
+    reports.write(args.out, report, markdown(report))
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

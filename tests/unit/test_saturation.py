@@ -1,0 +1,43 @@
+"""bench/saturation.py's reading of py-spy samples: which category a worker thread's stack is in."""
+from __future__ import annotations
+
+import pytest
+
+from bench.saturation import classify, gil_shares, read_samples
+
+pytestmark = pytest.mark.unit
+
+LANE = ("_bootstrap (threading.py:1002);_lane (tsbatch/handlers/engine.py:120);"
+        "_step (tsbatch/handlers/engine.py:143)")
+MAIN = ("<module> (ts/model_service_worker.py:301);handle_connection (ts/model_service_worker.py:185);"
+        "predict (ts/service.py:135);handle (tsbatch/handlers/modes/continuous_mode.py:85)")
+
+
+def test_a_pass_is_a_forward_pass_and_a_wait_is_named_by_its_waiter():
+    forward = f"{LANE};forward (tsbatch/handlers/runner.py:214);_call_impl (torch/nn/modules/module.py:1750)"
+    assert classify(forward.split(";")) == "forward pass"
+    waiting = f"{MAIN};_wait_for_one (tsbatch/handlers/modes/continuous_mode.py:110);wait (threading.py:327)"
+    assert classify(waiting.split(";")) == "waiting (handlers/modes/continuous_mode.py:_wait_for_one)"
+    encode = f"{MAIN};answer (tsbatch/handlers/stages.py:200);dumps (json/__init__.py:231);encode (json/encoder.py:200)"
+    assert classify(encode.split(";")) == "response encoding (JSON)"
+    read = "<module> (ts/model_service_worker.py:301);retrieve_msg (ts/protocol/otf_message_handler.py:40);recv (socket.py:1)"
+    assert classify(read.split(";")) == "waiting for the frontend (socket read)"
+    assert classify(f"{LANE};expire (tsbatch/handlers/scheduler.py:145)".split(";")) == "other: scheduler.py:expire"
+
+
+def test_read_samples_gives_each_thread_its_shares(tmp_path):
+    raw = tmp_path / "worker.stacks"
+    raw.write_text(
+        f"thread (11): tsbatch-lane-0;{LANE};forward (tsbatch/handlers/runner.py:214) 3\n"
+        f"thread (11): tsbatch-lane-0;{LANE};_collate (tsbatch/handlers/runner.py:230) 1\n"
+        f"thread (10): MainThread;{MAIN};tokenize (tsbatch/handlers/runner.py:170) 2\n")
+    assert read_samples(str(raw)) == {"tsbatch-lane-0": {"forward pass": 0.75, "collate": 0.25},
+                                      "MainThread": {"tokenize": 1.0}}
+
+
+def test_gil_shares_divide_each_threads_gil_samples_by_all_of_its_samples(tmp_path):
+    every, held = tmp_path / "all", tmp_path / "gil"
+    every.write_text(f"thread (11): tsbatch-lane-0;{LANE} 6\nthread (11): tsbatch-lane-0;{LANE};x (a.py:1) 2\n"
+                     f"thread (10): MainThread;{MAIN} 4\n")
+    held.write_text(f"thread (11): tsbatch-lane-0;{LANE} 2\n")
+    assert gil_shares(str(every), str(held)) == {"tsbatch-lane-0": 0.25, "MainThread": 0.0}
