@@ -27,19 +27,30 @@ def poisson_arrivals(rate: float, duration: float, seed: int = 0) -> list[float]
 
 
 async def at_arrivals(items: Iterable[T], arrivals: Sequence[float], send: Callable[[T, float], Awaitable[R]],
-                      one_in_flight: bool = False) -> list[R]:
+                      one_in_flight: bool = False, lags: list[float] | None = None) -> list[R]:
     """Start `send(item, at)` at each arrival time (seconds from now); results in item order.
 
     With `one_in_flight`, each send is awaited before the next may start (late, if the last one ran
-    past its time): the server never holds two requests, so latency is free of queueing."""
+    past its time): the server never holds two requests, so latency is free of queueing.
+    `lags`, if given, gets each item's client lag in item order: seconds from its scheduled time to
+    when its send began (a client that falls behind delays requests the server never saw, which a
+    latency timed from the send would hide)."""
     start = time.perf_counter()
     results, tasks = [], []
+
+    async def timed(item: T, at: float) -> tuple[R, float]:
+        lag = time.perf_counter() - start - at
+        return await send(item, at), lag
+
     for item, at in zip(items, arrivals):
         delay = at - (time.perf_counter() - start)
         if delay > 0:
             await asyncio.sleep(delay)
         if one_in_flight:
-            results.append(await send(item, at))
+            results.append(await timed(item, at))
         else:
-            tasks.append(asyncio.create_task(send(item, at)))
-    return results + list(await asyncio.gather(*tasks))
+            tasks.append(asyncio.create_task(timed(item, at)))
+    done = results + list(await asyncio.gather(*tasks))
+    if lags is not None:
+        lags.extend(lag for _, lag in done)
+    return [result for result, _ in done]

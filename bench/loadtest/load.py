@@ -34,6 +34,7 @@ class Result:
     batch_size: int = 0
     error: str = ""
     timing: dict = field(default_factory=dict)  # x-tsbatch-timing: wait, pass, handler (ms)
+    lag: float = 0.0  # seconds the client sent it after its scheduled time (included in latency)
 
 
 def timing_of(header: str) -> dict:
@@ -72,12 +73,18 @@ def as_result(request: Request, sent: float, shot: Shot) -> Result:
 def run_open_loop(url: str, requests: list[Request], arrivals: list[float], rate: float,
                   duration: float, timeout: float = 60.0, one_in_flight: bool = False) -> RunResult:
     """Each request leaves at its arrival time (seconds from start), answered or not; one that
-    has no answer `timeout` seconds after it left is lost."""
+    has no answer `timeout` seconds after it left is lost. Latency runs from the scheduled arrival
+    (the client's own lag included: no coordinated omission), except with `one_in_flight`, whose
+    requests wait for the one before by design and are timed from when they leave."""
     async def send(request: Request, at: float) -> Result:
         return as_result(request, at, await shoot(url, request.text.encode(), timeout=timeout))
 
-    started = time.perf_counter()
-    results = asyncio.run(at_arrivals(requests, arrivals, send, one_in_flight))
+    started, lags = time.perf_counter(), []
+    results = asyncio.run(at_arrivals(requests, arrivals, send, one_in_flight, lags))
+    for result, lag in zip(results, lags):
+        result.lag = lag
+        if result.latency is not None and not one_in_flight:
+            result.latency += lag
     return RunResult(rate, duration, results, time.perf_counter() - started)
 
 

@@ -10,6 +10,10 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 
 from tsbatch.warmup.profile import percentile  # noqa: F401 - the project's one percentile (pure, no torch)
 
+# a window whose client sent its p99 request this late (ms) after its scheduled time fell behind: the
+# client, not the server, set part of its latency (the sweep runs it again)
+CLIENT_BEHIND_MS = 20.0
+
 if TYPE_CHECKING:
     from bench.loadtest.load import RunResult
 
@@ -49,7 +53,17 @@ def summarize(run: RunResult) -> dict:
         out[kind] = {f"p{q}": (round(percentile(lat, q), 1) if lat else None) for q in (50, 95, 99)}
         out[kind]["n"] = len(lat)
     out["short_breakdown_ms"] = breakdown([r for r in ok if r.kind == "short"])
+    lags = [r.lag * 1000 for r in run.results]
+    out["client_lag_ms"] = {"p50": round(percentile(lags, 50), 1), "p99": round(percentile(lags, 99), 1),
+                            "max": round(max(lags), 1)} if lags else {}
+    out["client_behind"] = client_behind(run)
     return out
+
+
+def client_behind(run: RunResult) -> bool:
+    """Did the client fall behind its schedule in this window (its p99 lag over CLIENT_BEHIND_MS)?"""
+    lags = [r.lag * 1000 for r in run.results]
+    return bool(lags) and percentile(lags, 99) > CLIENT_BEHIND_MS
 
 
 def breakdown(results: Sequence) -> dict:

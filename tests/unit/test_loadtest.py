@@ -15,9 +15,9 @@ import time
 from bench.loadtest import report
 from bench.loadtest.arrivals import at_arrivals, poisson_arrivals
 from bench.loadtest.client import Shot, read_response, request_head, shoot, split_url
-from bench.loadtest.load import Result, as_result
+from bench.loadtest.load import Result, RunResult, as_result
 from bench.loadtest.proc import MemorySampler, alive, cpu_seconds, pids_with, rss_kb, threads_cpu
-from bench.loadtest.stats import by_status, percentile, rounded
+from bench.loadtest.stats import CLIENT_BEHIND_MS, by_status, client_behind, percentile, rounded, summarize
 from bench.loadtest.workload import Request
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench")
@@ -86,6 +86,28 @@ def test_at_arrivals_sends_nothing_early_and_keeps_item_order():
     assert offsets["b"] < 0.05  # open loop: "b" left while "a" was still out
     got, offsets = asyncio.run(run(True))
     assert got == ["A", "B", "C"] and offsets["b"] >= 0.05  # one in flight: "b" waited for "a"
+
+
+def test_at_arrivals_reports_how_late_the_client_sent_each_item():
+    async def send(item, at):
+        if item == "a":
+            time.sleep(0.06)  # a client busy on its own loop: "b" cannot leave on time
+        return item
+
+    lags = []
+    assert asyncio.run(at_arrivals(["a", "b", "c"], [0.0, 0.01, 0.2], send, lags=lags)) == ["a", "b", "c"]
+    assert len(lags) == 3 and all(lag >= 0 for lag in lags)
+    assert lags[1] >= 0.04  # due at 10 ms, sent after "a"'s 60 ms
+    assert lags[2] < 0.04  # "c" was due long after: on time again
+
+
+def test_a_window_whose_client_fell_behind_says_so_and_its_lag_is_reported():
+    def run(lag_ms):
+        return RunResult(10, 1.0, [Result("short", i / 10, 0.02, 200, lag=lag_ms / 1000) for i in range(10)], 1.0)
+
+    assert not client_behind(run(1.0)) and client_behind(run(CLIENT_BEHIND_MS + 5))
+    point = summarize(run(CLIENT_BEHIND_MS + 5))
+    assert point["client_behind"] and point["client_lag_ms"]["p99"] == CLIENT_BEHIND_MS + 5
 
 
 # -- the HTTP client ----------------------------------------------------------------------------
