@@ -108,7 +108,8 @@ class Scheduler:
         self.queues: dict[Bucket, list[Ticket]] = {edge: [] for edge in policy.edges}
         self._cap_for = cap_for  # the worker's one rule for a bucket's largest batch
         self._pass_time = pass_time
-        self.arrivals = Arrivals()
+        self.arrivals = Arrivals()  # the worker's
+        self.company: dict[Bucket, Arrivals] = {edge: Arrivals() for edge in policy.edges}  # each bucket's
 
     def __len__(self) -> int:
         return sum(len(q) for q in self.queues.values())
@@ -127,6 +128,8 @@ class Scheduler:
             )
         for ticket in tickets:
             self.queues[ticket.item.bucket].append(ticket)
+        for bucket in {ticket.item.bucket for ticket in tickets}:
+            self.company[bucket].arrived(tickets[0].arrived)
         if tickets:
             self.arrivals.arrived(tickets[0].arrived)
 
@@ -162,7 +165,8 @@ class Scheduler:
         oldest = min(t.arrived for t in queue)
         if self._pass_time is None:
             return oldest + self.policy.max_wait
-        return release_at(oldest, self._pass_time(1, bucket), self.arrivals, self.policy.max_wait)
+        return release_at(oldest, self._pass_time(1, bucket), self.arrivals, self.policy.max_wait,
+                          self.company[bucket])
 
     def next_batch(self, now: float, buckets: Iterable[int] | None = None) -> tuple[Batch, list[Ticket]] | None:
         """The batch to run now among `buckets` (default all), with its tickets; None if none is ready."""

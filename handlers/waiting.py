@@ -6,7 +6,15 @@ request could not keep up. So: while the worker's recent arrivals (all buckets t
 median gap of the last 8) come less often than one per two single-request passes of the bucket
 (T(1), from the latency profile), a request runs at once: the lane is idle more than half the
 time, and a newcomer rarely finds it busy. Once they come faster, a bucket's oldest request holds
-up to `max_wait_ms` for company, as before, so batches fill and capacity holds.
+up to `max_wait_ms` for company, so batches fill and capacity holds. In between — busy, but one
+lane still keeps up with passes of one (a single-request pass shorter than the mean arrival gap,
+which is the median gap over ln 2 for Poisson arrivals) — a bucket holds only when its own
+arrivals (the median gap of its last 8) come at least once per `max_wait_ms`: a bucket that would
+gain no company within the hold runs at once, because the hold would cost its requests the wait
+and save no pass. On short texts alone at 60 req/s over a few buckets, every request had held
+the full 13 ms (bench/results/short-only-now.md); with the company rule alone short p50 fell
+41.5 -> 33.1 ms at 60 req/s, but at 90 req/s short p99 rose 116 -> 156 ms
+(bench/results/hold-company-short-only.md), hence the upper bound of the band.
 
 Measured side by side (bench/compare.py, bench/results/light-load.md): at 14 req/s of the make
 bench mix a short request no longer waits `max_wait_ms` (11 ms tuned here) for company that does
@@ -22,7 +30,8 @@ import math
 from collections import deque
 
 RECENT = 8  # arrivals whose gaps tell the worker's traffic
-BUSY = 0.5  # single-request passes per arrival gap from which batches must fill
+BUSY = 0.5  # single-request passes per median arrival gap from which holding may pay
+FULL = 1 / math.log(2)  # ... from which one lane cannot keep up with passes of one: always hold
 
 
 class Arrivals:
@@ -44,9 +53,16 @@ class Arrivals:
         return gaps[len(gaps) // 2]
 
 
-def release_at(oldest: float, alone: float, arrivals: Arrivals, max_wait: float) -> float:
+def release_at(oldest: float, alone: float, arrivals: Arrivals, max_wait: float,
+               company: Arrivals | None = None) -> float:
     """When a bucket's batch stops holding for company (a time on the caller's clock), from when
-    its oldest request arrived and `alone`, the seconds of a pass of one request (0: unknown)."""
-    if alone <= 0 or alone >= BUSY * arrivals.median_gap():
-        return oldest + max_wait  # no profile, or too busy for passes of one: fill batches
-    return oldest  # passes of one keep up: run at once
+    its oldest request arrived, `alone` (the seconds of a pass of one request, 0: unknown), the
+    worker's `arrivals` and the bucket's own (`company`)."""
+    if alone <= 0:
+        return oldest + max_wait  # no profile: the configured wait
+    gap = arrivals.median_gap()
+    if alone < BUSY * gap:
+        return oldest  # passes of one keep up easily: run at once
+    if alone < FULL * gap and company is not None and company.median_gap() > max_wait:
+        return oldest  # busy, but no company would come within the hold
+    return oldest + max_wait  # fill batches

@@ -24,16 +24,19 @@ def pass_time(size: int, bucket=EDGE) -> float:
     return 0.008 + 0.003 * size
 
 
-def serve(arrivals: list[float], profile: bool = True) -> tuple[list[float], list[int]]:
-    """Latency of each request and the size of each pass, one lane, cap 16."""
-    policy = SchedulerPolicy(edges=(EDGE,), max_wait=MAX_WAIT, queue_cap=10_000, age_bound=10.0, priority_aging=0.0)
+def serve(arrivals: list[float], profile: bool = True, buckets: list[int] | None = None) -> tuple[list[float], list[int]]:
+    """Latency of each request and the size of each pass, one lane, cap 16; `buckets`: each
+    request's bucket (default all EDGE)."""
+    buckets = buckets or [EDGE] * len(arrivals)
+    policy = SchedulerPolicy(edges=tuple(sorted(set(buckets))), max_wait=MAX_WAIT, queue_cap=10_000, age_bound=10.0,
+                             priority_aging=0.0)
     scheduler = Scheduler(policy, lambda bucket: 16, pass_time if profile else None)
     done: dict[int, float] = {}
     sizes: list[int] = []
     now, i = 0.0, 0
     while len(done) < len(arrivals):
         while i < len(arrivals) and arrivals[i] <= now + 1e-12:
-            scheduler.submit(Ticket(Item(i, "", 10, EDGE), arrivals[i]))
+            scheduler.submit(Ticket(Item(i, "", 10, buckets[i]), arrivals[i]))
             i += 1
         picked = scheduler.next_batch(now)
         if picked is not None:
@@ -72,6 +75,20 @@ def test_heavy_traffic_still_fills_batches_and_keeps_up():
     assert max(latencies) < 0.2  # the queue does not grow: capacity holds
 
 
+def test_a_busy_worker_does_not_hold_a_bucket_that_gains_no_company_within_the_hold():
+    """60 req/s over six buckets: the worker is too busy for passes of one by the worker-wide
+    rule (a gap of 17 ms is under two 11 ms passes), but each bucket sees a request every 100 ms,
+    so a hold of MAX_WAIT would almost never find company: requests run at once."""
+    rng = random.Random(4)
+    arrivals = poisson(60, 1500, seed=4)
+    buckets = [rng.choice((8, 16, 24, 32, 40, 48)) for _ in arrivals]
+    latencies, sizes = serve(arrivals, buckets=buckets)
+    waits = sorted(lat - pass_time(1) for lat in latencies)
+    assert waits[len(waits) // 2] < MAX_WAIT / 2  # the median request did not hold
+    one_bucket, _ = serve(arrivals)  # the same traffic in one bucket does find company: it holds
+    assert sorted(one_bucket)[len(one_bucket) // 2] > sorted(latencies)[len(latencies) // 2]
+
+
 def test_a_burst_after_a_lull_is_served_in_few_passes():
     arrivals = []
     for burst in range(20):  # 8 requests 0.5 ms apart, every 300 ms
@@ -93,3 +110,15 @@ def test_the_hold_is_max_wait_only_while_arrivals_outpace_half_a_single_pass():
     for t in (0.0, 5.0, 5.001, 5.002):  # a lull, then a burst: the median gap is the burst's
         lull.arrived(t)
     assert lull.median_gap() == pytest.approx(0.001)
+
+
+def test_the_company_rule_applies_only_while_one_lane_keeps_up_with_passes_of_one():
+    worker, sparse, dense = Arrivals(), Arrivals(), Arrivals()
+    for k in range(9):
+        worker.arrived(k * 0.010)  # the worker: a request every 10 ms
+        sparse.arrived(k * 0.100)  # this bucket: one every 100 ms, no company within an 11 ms hold
+        dense.arrived(k * 0.005)  # this bucket: one every 5 ms
+    assert release_at(1.0, 0.004, worker, 0.011, sparse) == 1.0  # 4 ms passes keep up easily
+    assert release_at(1.0, 0.008, worker, 0.011, sparse) == 1.0  # busy, but nothing to wait for
+    assert release_at(1.0, 0.008, worker, 0.011, dense) == pytest.approx(1.011)  # company is coming
+    assert release_at(1.0, 0.016, worker, 0.011, sparse) == pytest.approx(1.011)  # 16 ms > 10/ln 2: fill batches
