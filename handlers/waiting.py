@@ -5,13 +5,12 @@ hold; it pays only by filling batches, and filling batches matters only when pas
 request could not keep up. So: while the worker's recent arrivals (all buckets together, the
 median gap of the last 8) come less often than one per two single-request passes of the bucket
 (T(1), from the latency profile), a request runs at once: the lane is idle more than half the
-time, and a newcomer rarely finds it busy. Once they come faster, a bucket's oldest request holds
-up to `max_wait_ms` for company, so batches fill and capacity holds. In between — busy, but one
-lane still keeps up with passes of one (a single-request pass shorter than the mean arrival gap,
-which is the median gap over ln 2 for Poisson arrivals) — a bucket holds only when its own
-arrivals (the median gap of its last 8) come at least once per `max_wait_ms`: a bucket that would
-gain no company within the hold runs at once, because the hold would cost its requests the wait
-and save no pass. On short texts alone at 60 req/s over a few buckets, every request had held
+time, and a newcomer rarely finds it busy. Once a single-request pass takes longer than the mean
+arrival gap (the median gap over ln 2 for Poisson arrivals: one lane can no longer keep up with
+passes of one), a bucket's oldest request holds up to `max_wait_ms` for company, so batches fill
+and capacity holds. In the band between, a bucket holds only when its own arrivals (the median
+gap of its last 8) come at least once per `max_wait_ms`: a bucket that would gain no company
+within the hold runs at once, because the hold would cost its requests the wait and save no pass. On short texts alone at 60 req/s over a few buckets, every request had held
 the full 13 ms (bench/results/short-only-now.md); with the company rule alone short p50 fell
 41.5 -> 33.1 ms at 60 req/s, but at 90 req/s short p99 rose 116 -> 156 ms
 (bench/results/hold-company-short-only.md), hence the upper bound of the band.
