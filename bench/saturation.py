@@ -7,9 +7,10 @@ In one run, on the mix `make bench` sends:
    batch caps, plan_batches): the honest ceiling for what the archive may form.
 2. The archive `tsbatch archive` builds (tuned, as `make serve` serves it), one worker, sent
    open-loop Poisson traffic above what it answers: CPU seconds of every process (TorchServe's
-   Java frontend, the worker, this client) and of each worker thread (/proc), and a py-spy
-   sample of the worker's threads classified into forward passes, tokenizing, collating, response
-   encoding, TorchServe's protocol, lock and queue waits, idle.
+   Java frontend, the worker, this client) and of each worker thread (/proc), the machine's cores by
+   state, and three py-spy samplers on the worker's threads (every sample, on-CPU samples, the
+   GIL holder's) classified into forward passes, tokenizing, collating, response encoding,
+   metrics, TorchServe's protocol, and waits named by the tsbatch function waiting.
 Writes bench/results/saturation.{json,md}. `--archive DIR` serves an archive already built
 (DIR/minilm.mar); `--rate` the offered req/s; `--seconds` the window.
 """
@@ -48,8 +49,8 @@ CATEGORIES = (
     ("tokenize", ("tokenization_utils", "tokenizers", "runner.py:tokenize", "runner.py:_encode")),
     ("response encoding (JSON)", ("json/",)),
     ("metrics", ("ts/metrics/", "handlers/metrics.py")),
-    ("waiting for the frontend (socket read)", ("socket.py:recv", "otf_message_handler.py:retrieve_msg",
-                                                "otf_message_handler.py:_retrieve")),
+    ("TorchServe protocol: reading calls (recv per field, parsing)", ("socket.py:recv", "otf_message_handler.py:retrieve_msg",
+                                                                    "otf_message_handler.py:_retrieve")),
     ("TorchServe protocol (reply, socket write)", ("otf_message_handler.py", "socket.py", "model_service_worker.py")),
 )
 
@@ -124,12 +125,21 @@ def classify(frames: list[str]) -> str:
     return "other: " + next((k.split("/")[-1] for k in reversed(keys) if "tsbatch/" in k), keys[-1] if keys else "?")
 
 
-def sample(pid: int, seconds: float, py_spy: str, path: str, gil: bool = False) -> subprocess.Popen:
-    """py-spy record of every thread of the worker, raw collapsed stacks with native thread ids;
-    `gil`: only the samples of the thread holding the GIL."""
-    return subprocess.Popen([py_spy, "record", "--pid", str(pid), "--duration", str(int(seconds)), "--rate", "200",
-                             "--format", "raw", "--threads", "--nonblocking", "-o", path, "--gil" if gil else "--idle"],
+VIEWS = {"wall": ["--idle"], "cpu": [], "gil": ["--gil"]}  # every sample, on-CPU ones, the GIL holder's
+
+
+def sample(pid: int, seconds: float, py_spy: str, path: str, view: str) -> subprocess.Popen:
+    """py-spy record of every thread of the worker (raw collapsed stacks, thread names) in one of VIEWS."""
+    return subprocess.Popen([py_spy, "record", "--pid", str(pid), "--duration", str(int(seconds)), "--rate", "100",
+                             "--format", "raw", "--threads", "--nonblocking", "-o", path] + VIEWS[view],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def machine_cpu() -> dict[str, float]:
+    """Seconds of the whole machine's cores by state since boot (/proc/stat's cpu line)."""
+    with open("/proc/stat") as f:
+        values = [int(v) / os.sysconf("SC_CLK_TCK") for v in f.readline().split()[1:9]]
+    return dict(zip(("user", "nice (the long lane)", "system", "idle", "iowait", "irq", "softirq", "steal"), values))
 
 
 def samples_per_thread(path: str) -> collections.Counter:
@@ -165,30 +175,33 @@ def overload(url: str, worker: int, java: int, rate: float, seconds: float, py_s
     """One open-loop window at `rate`; CPU of each process and worker thread over it; py-spy of the worker."""
     requests = make_requests(int(rate * seconds * 1.5), Mix(), seed=21)
     arrivals = poisson_arrivals(rate, seconds, seed=22)
+    # first the same window with no profiler attached (the samplers take ~0.2 of the 2 cores)
+    clean = summarize(run_open_loop(url, requests[:len(arrivals)], arrivals, rate, seconds, timeout=60))
     names = thread_names(worker, py_spy)
     before = {"frontend (java)": cpu_seconds(java), "worker": cpu_seconds(worker), "client (this process)": cpu_seconds(os.getpid())}
     threads_before = threads_cpu(worker)
-    raw = os.path.join(root, "worker.stacks")
-    spy = sample(worker, seconds - 2, py_spy, raw)
-    gil = sample(worker, seconds - 2, py_spy, raw + ".gil", gil=True)
-    started = time.monotonic()
+    paths = {view: os.path.join(root, f"worker.{view}.stacks") for view in VIEWS}
+    spies = [sample(worker, seconds - 2, py_spy, path, view) for view, path in paths.items()]
+    machine_before, started = machine_cpu(), time.monotonic()
     run = run_open_loop(url, requests[:len(arrivals)], arrivals, rate, seconds, timeout=60)
     elapsed = time.monotonic() - started
-    spy.wait(timeout=120)
-    gil.wait(timeout=120)
+    machine = {k: round((v - machine_before[k]) / elapsed, 3) for k, v in machine_cpu().items()}
+    for spy in spies:
+        spy.wait(timeout=120)
     after = {"frontend (java)": cpu_seconds(java), "worker": cpu_seconds(worker), "client (this process)": cpu_seconds(os.getpid())}
     threads_after = threads_cpu(worker)
     cpu = {k: round((after[k] - before[k]) / elapsed, 3) for k in before}
-    cpu["machine idle (2 cores minus the above)"] = round(2 - sum(cpu.values()), 3)
+    cpu["the rest (py-spy, kernel, other processes, idle)"] = round(THREADS - sum(cpu.values()), 3)
     per_thread = collections.Counter()
     for tid, secs in threads_after.items():
         per_thread[names.get(tid, "native (OpenMP, JIT, I/O)")] += (secs - threads_before.get(tid, 0.0)) / elapsed
     point = summarize(run)
     return {"rate": rate, "seconds": round(elapsed, 1), "answered_per_s": round(point["ok"] / elapsed, 1),
-            "summary": point, "cores_busy": cpu,
+            "unprofiled": {"answered_per_s": round(clean["ok"] / seconds, 1), "summary": clean},
+            "summary": point, "cores_busy": cpu, "machine_cores": machine,
             "worker_threads_cores": {k: round(v, 3) for k, v in per_thread.most_common() if v > 0.005},
-            "worker_samples": read_samples(raw) if os.path.exists(raw) else {},
-            "gil_held": gil_shares(raw, raw + ".gil") if os.path.exists(raw + ".gil") else {}}
+            "worker_samples": {view: read_samples(paths[view]) for view in ("wall", "cpu") if os.path.exists(paths[view])},
+            "gil_held": gil_shares(paths["wall"], paths["gil"]) if os.path.exists(paths["gil"]) else {}}
 
 
 def markdown(report: dict) -> str:
@@ -197,18 +210,23 @@ def markdown(report: dict) -> str:
              f"Command: `{report['command']}`. Archive: {report['archive']}. Mix: {report['mix']}.", "",
              "| in process (the worker's torch threads, back to back) | req/s | real tokens/s | passes | padding |", "|---|---|---|---|---|"]
     lines += [f"| {v['shapes']} | {v['req_per_s']} | {v['real_tokens_per_s']} | {v['passes']} | {v['padding']} |" for v in c.values()]
-    s = o["summary"]
-    lines += ["", f"Served, one worker, offered {o['rate']} req/s for {o['seconds']} s: answered **{o['answered_per_s']} req/s** "
-              f"({s['sent'] - s['ok']} of {s['sent']} not 200); short p50/p99 {s['short']['p50']}/{s['short']['p99']} ms, "
-              f"long p50/p99 {s['long']['p50']}/{s['long']['p99']} ms.",
+    s, u = o["summary"], o["unprofiled"]
+    lines += ["", f"Served, one worker, offered {o['rate']} req/s for {o['seconds']} s, no profiler attached: answered "
+              f"**{u['answered_per_s']} req/s** ({u['summary']['sent'] - u['summary']['ok']} of {u['summary']['sent']} not 200); "
+              f"short p50/p99 {u['summary']['short']['p50']}/{u['summary']['short']['p99']} ms, long p50/p99 "
+              f"{u['summary']['long']['p50']}/{u['summary']['long']['p99']} ms.",
               f"Served ÷ sorted ceiling: **{report['served_over_sorted']}**; served ÷ the archive's own shapes in process: "
               f"**{report['served_over_shapes']}**.", "",
-              "Cores busy over the window (CPU seconds per second, of 2):", ""]
+              f"The same window again with the samplers below attached: answered {o['answered_per_s']} req/s "
+              f"({s['sent'] - s['ok']} not 200). Everything below is from that window.", "",
+              f"Cores busy over the window (CPU seconds per second, of {THREADS}):", ""]
     lines += [f"- {k}: {v}" for k, v in o["cores_busy"].items()]
+    lines += ["", "The machine's cores by state (/proc/stat): " + ", ".join(f"{k} {v}" for k, v in o.get("machine_cores", {}).items())]
     lines += ["", "Worker threads (cores):", ""] + [f"- {k}: {v}" for k, v in o["worker_threads_cores"].items()]
-    lines += ["", "Worker threads' py-spy samples by category (share of each thread's samples):", ""]
-    for name, cats in o["worker_samples"].items():
-        lines.append(f"- {name}: " + ", ".join(f"{k} {v}" for k, v in cats.items()))
+    titles = {"wall": "every sample, waits included (share of the window)", "cpu": "on-CPU samples only (share of the thread's CPU)"}
+    for view, threads in o["worker_samples"].items():
+        lines += ["", f"Worker threads' py-spy samples by category, {titles[view]}:", ""]
+        lines += [f"- {name}: " + ", ".join(f"{k} {v}" for k, v in cats.items()) for name, cats in threads.items()]
     held = o.get("gil_held", {})
     lines += ["", f"Share of the window each thread held the GIL (py-spy --gil): {held}; held by some thread: "
               f"{round(sum(held.values()), 3)}."]
@@ -248,7 +266,7 @@ def main() -> int:
         run_open_loop(url, make_requests(40, Mix(), seed=3), poisson_arrivals(10, 4, seed=3), 10, 4, timeout=60)
         worker = worker_pids(served.management, NAME)[0]
         report["overload"] = overload(url, worker, server.running_pid(served.paths), args.rate, args.seconds, py_spy, root)
-    answered = report["overload"]["answered_per_s"]
+    answered = report["overload"]["unprofiled"]["answered_per_s"]
     report["served_over_sorted"] = round(answered / report["ceilings"]["sorted"]["req_per_s"], 3)
     report["served_over_shapes"] = round(answered / report["ceilings"]["served"]["req_per_s"], 3)
     reports.write(args.out, report, markdown(report))

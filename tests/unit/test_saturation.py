@@ -21,7 +21,7 @@ def test_a_pass_is_a_forward_pass_and_a_wait_is_named_by_its_waiter():
     encode = f"{MAIN};answer (tsbatch/handlers/stages.py:200);dumps (json/__init__.py:231);encode (json/encoder.py:200)"
     assert classify(encode.split(";")) == "response encoding (JSON)"
     read = "<module> (ts/model_service_worker.py:301);retrieve_msg (ts/protocol/otf_message_handler.py:40);recv (socket.py:1)"
-    assert classify(read.split(";")) == "waiting for the frontend (socket read)"
+    assert classify(read.split(";")) == "TorchServe protocol: reading calls (recv per field, parsing)"
     assert classify(f"{LANE};expire (tsbatch/handlers/scheduler.py:145)".split(";")) == "other: scheduler.py:expire"
 
 
