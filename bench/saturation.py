@@ -34,7 +34,7 @@ from tsbatch.archiver import server  # noqa: E402
 from bench.loadtest import report as reports  # noqa: E402
 from bench.loadtest.arrivals import poisson_arrivals  # noqa: E402
 from bench.loadtest.load import run_open_loop  # noqa: E402
-from bench.loadtest.proc import cpu_seconds, threads_cpu  # noqa: E402
+from bench.loadtest.proc import cpu_seconds, machine_cpu, threads_cpu  # noqa: E402
 from bench.loadtest.stats import summarize  # noqa: E402
 from bench.loadtest.torchserve import worker_pids  # noqa: E402
 from bench.loadtest.workload import Mix, make_requests  # noqa: E402
@@ -135,12 +135,6 @@ def sample(pid: int, seconds: float, py_spy: str, path: str, view: str) -> subpr
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def machine_cpu() -> dict[str, float]:
-    """Seconds of the whole machine's cores by state since boot (/proc/stat's cpu line)."""
-    with open("/proc/stat") as f:
-        values = [int(v) / os.sysconf("SC_CLK_TCK") for v in f.readline().split()[1:9]]
-    return dict(zip(("user", "nice (the long lane)", "system", "idle", "iowait", "irq", "softirq", "steal"), values))
-
 
 def samples_per_thread(path: str) -> collections.Counter:
     """How many samples py-spy's raw output holds of each thread (by name)."""
@@ -221,7 +215,7 @@ def markdown(report: dict) -> str:
               f"({s['sent'] - s['ok']} not 200). Everything below is from that window.", "",
               f"Cores busy over the window (CPU seconds per second, of {THREADS}):", ""]
     lines += [f"- {k}: {v}" for k, v in o["cores_busy"].items()]
-    lines += ["", "The machine's cores by state (/proc/stat): " + ", ".join(f"{k} {v}" for k, v in o.get("machine_cores", {}).items())]
+    lines += ["", "The machine's cores by state (the kernel's cpu counters; nice is the long lane, which runs at a lower priority): " + ", ".join(f"{k} {v}" for k, v in o.get("machine_cores", {}).items())]
     lines += ["", "Worker threads (cores):", ""] + [f"- {k}: {v}" for k, v in o["worker_threads_cores"].items()]
     titles = {"wall": "every sample, waits included (share of the window)", "cpu": "on-CPU samples only (share of the thread's CPU)"}
     for view, threads in o["worker_samples"].items():

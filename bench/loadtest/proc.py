@@ -39,6 +39,13 @@ def threads_cpu(pid: int) -> dict[int, float]:
     return {tid: secs for tid in tids if (secs := cpu_seconds(pid, tid)) is not None}
 
 
+def machine_cpu() -> dict[str, float]:
+    """Seconds of the whole machine's cores by state since boot (/proc/stat's cpu line)."""
+    with open("/proc/stat") as f:
+        values = [int(v) / os.sysconf("SC_CLK_TCK") for v in f.readline().split()[1:9]]
+    return dict(zip(("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal"), values))
+
+
 def rss_kb(pid: int | None) -> int | None:
     """Resident memory (VmRSS) in kB; None for no pid or a process that is gone."""
     if pid is None:

@@ -16,7 +16,7 @@ from bench.loadtest import report
 from bench.loadtest.arrivals import at_arrivals, poisson_arrivals
 from bench.loadtest.client import Shot, read_response, request_head, shoot, split_url
 from bench.loadtest.load import Result, RunResult, as_result
-from bench.loadtest.proc import MemorySampler, alive, cpu_seconds, pids_with, rss_kb, threads_cpu
+from bench.loadtest.proc import MemorySampler, alive, cpu_seconds, machine_cpu, pids_with, rss_kb, threads_cpu
 from bench.loadtest.stats import CLIENT_BEHIND_MS, by_status, client_behind, percentile, rounded, summarize
 from bench.loadtest.workload import Request
 
@@ -185,6 +185,9 @@ def test_proc_readings_of_a_live_a_zombie_and_a_missing_process():
     assert rss_kb(os.getpid()) > 1000 and cpu_seconds(os.getpid()) > 0
     per_thread = threads_cpu(os.getpid())
     assert threading.get_native_id() in per_thread and sum(per_thread.values()) <= cpu_seconds(os.getpid()) + 0.05
+    machine = machine_cpu()
+    assert set(machine) >= {"user", "nice", "system", "idle", "steal"} and min(machine.values()) >= 0
+    assert machine["user"] + machine["system"] >= cpu_seconds(os.getpid()) - 0.05  # this process is part of it
     marker = f"tsbatch-pids-with-{os.getpid()}"
     child = subprocess.Popen([sys.executable, "-c", "import time, sys; time.sleep(30)", marker])
     try:
