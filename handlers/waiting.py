@@ -10,10 +10,11 @@ arrival gap (the median gap over ln 2 for Poisson arrivals: one lane can no long
 passes of one), a bucket's oldest request holds up to `max_wait_ms` for company, so batches fill
 and capacity holds. In the band between, a bucket holds only when its own arrivals (the median
 gap of its last 8) come at least once per `max_wait_ms`: a bucket that would gain no company
-within the hold runs at once, because the hold would cost its requests the wait and save no pass. On short texts alone at 60 req/s over a few buckets, every request had held
-the full 13 ms (bench/results/short-only-now.md); with the company rule alone short p50 fell
-41.5 -> 33.1 ms at 60 req/s, but at 90 req/s short p99 rose 116 -> 156 ms
-(bench/results/hold-company-short-only.md), hence the upper bound of the band.
+within the hold runs at once, because the hold would cost its requests the wait and save no pass.
+On short texts alone at 60 req/s over a few buckets, every request had held the full 13 ms
+(bench/results/short-only-now.md); with the company rule alone short p50 fell 41.5 -> 33.1 ms at
+60 req/s, but at 90 req/s short p99 rose 116 -> 156 ms (bench/results/hold-company-short-only.md),
+hence the upper bound of the band.
 
 Measured side by side (bench/compare.py, bench/results/light-load.md): at 14 req/s of the make
 bench mix a short request no longer waits `max_wait_ms` (11 ms tuned here) for company that does
