@@ -53,17 +53,22 @@ def summarize(run: RunResult) -> dict:
         out[kind] = {f"p{q}": (round(percentile(lat, q), 1) if lat else None) for q in (50, 95, 99)}
         out[kind]["n"] = len(lat)
     out["short_breakdown_ms"] = breakdown([r for r in ok if r.kind == "short"])
-    lags = [r.lag * 1000 for r in run.results]
-    out["client_lag_ms"] = {"p50": round(percentile(lags, 50), 1), "p99": round(percentile(lags, 99), 1),
-                            "max": round(max(lags), 1)} if lags else {}
-    out["client_behind"] = client_behind(run)
+    out["client_lag_ms"] = client_lag(run)
+    out["client_behind"] = client_behind(out["client_lag_ms"])
     return out
 
 
-def client_behind(run: RunResult) -> bool:
-    """Did the client fall behind its schedule in this window (its p99 lag over CLIENT_BEHIND_MS)?"""
+def client_lag(run: RunResult) -> dict:
+    """How late the client sent this window's requests after their scheduled times, ms: p50, p99,
+    max ({} for an empty window)."""
     lags = [r.lag * 1000 for r in run.results]
-    return bool(lags) and percentile(lags, 99) > CLIENT_BEHIND_MS
+    return {"p50": round(percentile(lags, 50), 1), "p99": round(percentile(lags, 99), 1),
+            "max": round(max(lags), 1)} if lags else {}
+
+
+def client_behind(lag: dict) -> bool:
+    """Did the client fall behind its schedule in a window (client_lag's p99 over CLIENT_BEHIND_MS)?"""
+    return lag.get("p99", 0.0) > CLIENT_BEHIND_MS
 
 
 def breakdown(results: Sequence) -> dict:

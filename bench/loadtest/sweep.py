@@ -8,7 +8,7 @@ from typing import Callable
 
 from bench.loadtest.arrivals import poisson_arrivals
 from bench.loadtest.load import RunResult, run_one_in_flight, run_open_loop
-from bench.loadtest.stats import client_behind, summarize
+from bench.loadtest.stats import client_behind, client_lag, summarize
 from bench.loadtest.workload import Mix, make_requests
 
 
@@ -49,7 +49,7 @@ def window(url: str, rate: float, duration: float, seed: int, load=run_open_loop
     arrivals = poisson_arrivals(rate, duration, seed)
     requests = make_requests(len(arrivals), Mix(), seed)
     run = load(url, requests, arrivals, rate, duration)
-    if load is run_open_loop and client_behind(run):
+    if load is run_open_loop and client_behind(client_lag(run)):
         print(f"the client fell behind at {rate} req/s: window run again", flush=True)
         run = load(url, requests, arrivals, rate, duration)
     return run

@@ -17,7 +17,7 @@ from bench.loadtest.arrivals import at_arrivals, poisson_arrivals
 from bench.loadtest.client import Shot, read_response, request_head, shoot, split_url
 from bench.loadtest.load import Result, RunResult, as_result
 from bench.loadtest.proc import MemorySampler, alive, cpu_seconds, machine_cpu, pids_with, rss_kb, threads_cpu
-from bench.loadtest.stats import CLIENT_BEHIND_MS, by_status, client_behind, percentile, rounded, summarize
+from bench.loadtest.stats import CLIENT_BEHIND_MS, by_status, client_behind, client_lag, percentile, rounded, summarize
 from bench.loadtest.workload import Request
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench")
@@ -105,7 +105,7 @@ def test_a_window_whose_client_fell_behind_says_so_and_its_lag_is_reported():
     def run(lag_ms):
         return RunResult(10, 1.0, [Result("short", i / 10, 0.02, 200, lag=lag_ms / 1000) for i in range(10)], 1.0)
 
-    assert not client_behind(run(1.0)) and client_behind(run(CLIENT_BEHIND_MS + 5))
+    assert not client_behind(client_lag(run(1.0))) and client_behind(client_lag(run(CLIENT_BEHIND_MS + 5)))
     point = summarize(run(CLIENT_BEHIND_MS + 5))
     assert point["client_behind"] and point["client_lag_ms"]["p99"] == CLIENT_BEHIND_MS + 5
 
