@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 import zipfile
+from typing import Iterator
 
 import yaml
 
@@ -136,13 +137,21 @@ def sample(pid: int, seconds: float, py_spy: str, path: str, view: str) -> subpr
 
 
 
-def samples_per_thread(path: str) -> collections.Counter:
-    """How many samples py-spy's raw output holds of each thread (by name)."""
-    counts = collections.Counter()
+def raw_stacks(path: str) -> Iterator[tuple[str, list[str], int]]:
+    """py-spy's raw output, whose lines read "thread (TID): NAME;frame;frame... COUNT", as
+    (thread name, frames, count)."""
     with open(path) as f:
         for line in f:
             stack, _, n = line.rstrip("\n").rpartition(" ")
-            counts[stack.split(";", 1)[0].split("): ", 1)[-1]] += int(n)
+            head, *frames = stack.split(";")
+            yield head.split("): ", 1)[-1], [fr for fr in frames if not fr.startswith("process ")], int(n)
+
+
+def samples_per_thread(path: str) -> collections.Counter:
+    """How many samples py-spy's raw output holds of each thread (by name)."""
+    counts = collections.Counter()
+    for name, _frames, n in raw_stacks(path):
+        counts[name] += n
     return counts
 
 
@@ -153,15 +162,10 @@ def gil_shares(all_path: str, gil_path: str) -> dict[str, float]:
 
 
 def read_samples(path: str) -> dict[str, dict[str, float]]:
-    """{thread name: {category: share of that thread's samples}} from py-spy's raw output, whose
-    lines read "thread (TID): NAME;frame;frame... COUNT"."""
+    """{thread name: {category: share of that thread's samples}} from py-spy's raw output."""
     counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-    with open(path) as f:
-        for line in f:
-            stack, _, n = line.rstrip("\n").rpartition(" ")
-            head, *frames = stack.split(";")
-            name = head.split("): ", 1)[-1]
-            counts[name][classify([fr for fr in frames if not fr.startswith("process ")])] += int(n)
+    for name, frames, n in raw_stacks(path):
+        counts[name][classify(frames)] += n
     return {name: {cat: round(k / sum(c.values()), 3) for cat, k in c.most_common(8)} for name, c in counts.items()}
 
 
@@ -172,7 +176,8 @@ def overload(url: str, worker: int, java: int, rate: float, seconds: float, py_s
     # first the same window with no profiler attached (the samplers take ~0.2 of the 2 cores)
     clean = summarize(run_open_loop(url, requests[:len(arrivals)], arrivals, rate, seconds, timeout=60))
     names = thread_names(worker, py_spy)
-    before = {"frontend (java)": cpu_seconds(java), "worker": cpu_seconds(worker), "client (this process)": cpu_seconds(os.getpid())}
+    processes = {"frontend (java)": java, "worker": worker, "client (this process)": os.getpid()}
+    before = {name: cpu_seconds(pid) for name, pid in processes.items()}
     threads_before = threads_cpu(worker)
     paths = {view: os.path.join(root, f"worker.{view}.stacks") for view in VIEWS}
     spies = [sample(worker, seconds - 2, py_spy, path, view) for view, path in paths.items()]
@@ -182,7 +187,7 @@ def overload(url: str, worker: int, java: int, rate: float, seconds: float, py_s
     machine = {k: round((v - machine_before[k]) / elapsed, 3) for k, v in machine_cpu().items()}
     for spy in spies:
         spy.wait(timeout=120)
-    after = {"frontend (java)": cpu_seconds(java), "worker": cpu_seconds(worker), "client (this process)": cpu_seconds(os.getpid())}
+    after = {name: cpu_seconds(pid) for name, pid in processes.items()}
     threads_after = threads_cpu(worker)
     cpu = {k: round((after[k] - before[k]) / elapsed, 3) for k in before}
     cpu["the rest (py-spy, kernel, other processes, idle)"] = round(THREADS - sum(cpu.values()), 3)
