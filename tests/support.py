@@ -109,6 +109,7 @@ class ContinuousFrontend:
         self.replies: dict[str, Reply] = {}
         self.answered_in: dict[str, int] = {}  # request id -> call number that answered it
         self.calls = 0
+        self.returned = []  # (time.monotonic() as each call returned, requests it left held)
 
     def submit(self, rid: str, payload: Any, content_type: str = "text/plain", headers: dict | None = None) -> None:
         self.waiting[rid] = _row(payload, content_type, headers)
@@ -120,6 +121,7 @@ class ContinuousFrontend:
         self.context.request_processor = [self.waiting[rid][1] for rid in order]
         self.context.request_ids = dict(enumerate(order))
         bodies = self.handler.handle(rows, self.context)
+        returned = time.monotonic()
         self.calls += 1
         if len(bodies) != len(rows):
             raise AssertionError(f"handler returned {len(bodies)} bodies for {len(rows)} requests")
@@ -132,6 +134,7 @@ class ContinuousFrontend:
             self.answered_in[rid] = self.calls
             del self.waiting[rid]
             done.append(rid)
+        self.returned.append((returned, len(self.waiting)))
         return done
 
     def drain(self, max_calls: int = 10_000) -> dict[str, Reply]:

@@ -24,6 +24,22 @@ from tsbatch.handlers.scheduler import Answer, Ticket, within_budget
 from tsbatch.handlers.stages import Call, Gather, answer, by_request, prepare
 
 
+# TorchServe re-sends every request a worker holds with each call (its id and all its HTTP
+# headers, encoded by the frontend and read back field by field by the worker), so a reply while
+# holding N requests costs N re-sends. At 130 req/s offered to one worker (bench/results/
+# reply-pace.md) it replied ~100 times a second holding ~26 requests: 2,600 re-sends a second
+# for 120 answers, CPU taken from the passes on a saturated machine.
+PACE_PER_HELD_S = 0.001  # a reply waits this long per request it leaves held ...
+PACE_MAX_S = 0.03  # ... up to this long, after the previous one
+
+
+def reply_pace(held: int) -> float:
+    """Seconds the only worker's next reply waits after its previous one while it holds `held`
+    requests: re-sends stay near a thousand a second at any load, and a worker holding a request or
+    two (light load) replies within a millisecond or two."""
+    return min(PACE_MAX_S, max(0, held) * PACE_PER_HELD_S)
+
+
 class ContinuousMode(ScheduledMode):
     name = "continuous"
 
@@ -32,6 +48,7 @@ class ContinuousMode(ScheduledMode):
         self.running: dict[str, Gather] = {}  # request id -> its texts' answers so far, not answered yet
         self.finished: dict[str, Answer] = {}  # request id -> answer not yet replied
         self.cond = threading.Condition()
+        self.replied = float("-inf")  # time.monotonic() of the last return to the frontend
 
     def settle(self, ticket: Ticket, answer_: Answer) -> None:
         """From a lane thread: a text is done; once its request's texts all are, wake the call
@@ -82,7 +99,9 @@ class ContinuousMode(ScheduledMode):
         for index, answered in enumerate(call.answers):
             if answered is None:
                 del ids[index]  # still running: no reply now, the frontend sends it again
-        return answer(call, context)
+        bodies = answer(call, context)
+        self.replied = time.monotonic()
+        return bodies
 
     def _wait_for_one(self, mine: list) -> None:
         """The model's only worker: wait until one of this call's requests is done, then answer it.
@@ -90,10 +109,14 @@ class ContinuousMode(ScheduledMode):
         start: after `poll_ms` while a lane is idle, else `poll_ms` before the first busy lane's
         pass should end (by the latency profile), so what arrived during that pass is taken in, or
         shed, in time for the lane's next batch. TorchServe calls a worker that holds requests back
-        to back, so this wait is its only pacing. Called under cond."""
+        to back, so this wait is its only pacing. Replies are also at least `reply_pace` apart, by
+        how many requests the next call re-sends. Called under cond."""
         poll = self.worker.config.poll_ms / 1000
         hold = max(poll, self.engine.free_in() - poll)
         self.cond.wait_for(lambda: any(rid in self.finished for rid in mine), timeout=hold)
+        until = self.replied + reply_pace(len(self.running) - len(self.finished))
+        if until > time.monotonic():
+            self.cond.wait_for(lambda: time.monotonic() >= until, timeout=until - time.monotonic())
 
     def _wait_for_all(self, mine: list) -> None:
         """A worker with siblings: answer every request of the call in this one reply, bounded by

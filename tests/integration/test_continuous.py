@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from tsbatch.handlers.modes.continuous_mode import reply_pace
 from tsbatch.handlers.stages import BATCH_SIZE_HEADER
 from tests.support import ContinuousFrontend, call, cosine, load_handler
 
@@ -83,6 +84,24 @@ def test_a_busy_worker_is_called_about_once_per_pass_not_every_poll_ms(minilm_di
     assert all(r.status == 200 for r in frontend.replies.values())
     # paced by poll_ms alone the frontend would call once per millisecond of the pass
     assert frontend.calls * 5 <= elapsed_ms, f"{frontend.calls} calls in {elapsed_ms:.0f} ms"
+
+
+def test_a_worker_holding_many_requests_paces_its_replies_by_how_many_the_next_call_resends(minilm_dir, reference):
+    """TorchServe re-sends every held request with each call: while the worker holds N requests,
+    its replies come at least reply_pace(N) apart (a lower bound the handler keeps; the
+    tolerance covers the return itself on a busy machine). Unpaced, passes of two short texts
+    end every few milliseconds and each would get its own call."""
+    handler, context = load_handler(minilm_dir, frontend=CONTINUOUS, max_batch_size=2, max_wait_ms=1)
+    frontend = ContinuousFrontend(handler, context)
+    for i in range(48):
+        frontend.submit(f"r{i}", TEXTS[i % 8])
+    frontend.drain()
+    assert all(r.status == 200 for r in frontend.replies.values())
+    assert cosine(frontend.replies["r9"].body["embedding"], reference[TEXTS[1]]) >= 0.9999
+    paced = [(later - earlier, reply_pace(held)) for (earlier, _), (later, held)
+             in zip(frontend.returned, frontend.returned[1:]) if reply_pace(held) >= 0.02]
+    assert paced, "the worker never held 20 requests after a reply"
+    assert all(gap >= pace - 0.01 for gap, pace in paced), paced
 
 
 def test_a_short_request_is_answered_while_a_long_pass_runs(continuous, reference):

@@ -15,6 +15,7 @@ import pytest
 from tsbatch.handlers.buckets import batch_cap, Item
 from tsbatch.handlers.engine import Engine, split_lanes
 from tsbatch.handlers.errors import DeadlineExceeded, ModelFailed, Overloaded
+from tsbatch.handlers.modes.continuous_mode import PACE_MAX_S, reply_pace
 from tsbatch.handlers.scheduler import Scheduler, SchedulerPolicy, Ticket
 
 pytestmark = pytest.mark.unit
@@ -500,6 +501,13 @@ def test_free_in_is_zero_while_a_lane_is_idle_then_the_first_typical_end(make_en
     isolator.release.set()
     assert deliveries.wait_count(2)
     assert _until(lambda: engine.free_in() == 0.0)
+
+
+def test_reply_pace_grows_with_the_requests_the_next_call_resends_up_to_its_bound():
+    assert reply_pace(0) == 0.0 and reply_pace(-1) == 0.0
+    assert reply_pace(2) == pytest.approx(0.002)  # light load: a reply or two a millisecond apart
+    assert reply_pace(26) == pytest.approx(0.026)  # saturated: ~38 replies a second, not ~100
+    assert reply_pace(500) == PACE_MAX_S
 
 
 def test_free_in_is_zero_when_the_profile_does_not_know_the_running_shape(make_engine):
