@@ -75,6 +75,8 @@ class Engine:
         self.busy = [False] * len(self.lanes)  # guarded by cond: lane i is running a pass
         # guarded by cond: when lane i's pass started and how long such a pass typically takes
         self.passes = [(0.0, 0.0)] * len(self.lanes)
+        self.running: list[Bucket | None] = [None] * len(self.lanes)  # guarded by cond: the bucket of lane i's pass
+        self.owner = {bucket: i for i, lane in enumerate(self.lanes) for bucket in lane}
         self.stopping = False  # guarded by cond
         self.threads = [
             threading.Thread(target=self._lane, args=(i, lane), name=f"tsbatch-lane-{i}", daemon=True)
@@ -111,7 +113,7 @@ class Engine:
         if ticket.deadline is None:
             return
         bucket = ticket.item.bucket
-        lane = next((i for i, buckets in enumerate(self.lanes) if bucket in buckets), 0)
+        lane = self.owner.get(bucket, 0)
         now = self.clock()
         running = 0.0
         if self.busy[lane]:
@@ -135,20 +137,22 @@ class Engine:
         with self.cond:
             now = self.clock()
             expired = self.scheduler.expire(now, self.pass_seconds)
-            picked = self.scheduler.next_batch(now, buckets)
+            picked = self.scheduler.next_batch(now, buckets, self._serving)
             helped = self._helped(index)
             if picked is None and helped:
-                picked = self.scheduler.next_batch(now, helped)
+                picked = self.scheduler.next_batch(now, helped, self._serving)
             if picked is None:
                 behind = self._behind(index)
                 picked = self.scheduler.next_batch(now, behind) if behind else None
             if picked is None and not expired:
                 if self.stopping:
                     return
-                self.cond.wait(timeout=self.scheduler.time_until_ready(now, buckets + helped, self.pass_seconds))
+                self.cond.wait(timeout=self.scheduler.time_until_ready(now, buckets + helped, self.pass_seconds,
+                                                                       self._serving))
                 return
             if picked is not None:
                 self.busy[index] = True
+                self.running[index] = picked[0].bucket
                 self.passes[index] = (now, self.typical_pass(picked[0].size, picked[0].bucket))
                 self.cond.notify_all()  # a later lane may now help with what this one leaves queued
         try:
@@ -156,6 +160,7 @@ class Engine:
         finally:
             with self.cond:
                 self.busy[index] = False
+                self.running[index] = None
                 self.cond.notify_all()  # a lane waiting to help re-checks who is busy
 
     def free_in(self) -> float:
@@ -180,6 +185,15 @@ class Engine:
                     self.scheduler.backlog(self.lanes[i], self.pass_seconds) > BEHIND * typical:
                 out += self.lanes[i]
         return out
+
+    def _serving(self, bucket: Bucket) -> int:
+        """How many lanes can run `bucket`'s passes now: its own lane and each later lane that is
+        idle or already running one of that lane's buckets (later lanes help earlier ones). A
+        bucket holds for company only while that many lanes could not keep up with passes of one
+        (handlers/waiting.py). Called under cond."""
+        owner = self.owner.get(bucket, 0)
+        mine = self.lanes[owner]
+        return 1 + sum(1 for j in range(owner + 1, len(self.lanes)) if self.running[j] is None or self.running[j] in mine)
 
     def _helped(self, index: int) -> tuple[int, ...]:
         """Buckets of earlier (shorter) lanes that are busy now: lane `index` may run their batches

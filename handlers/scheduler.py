@@ -22,6 +22,9 @@ from tsbatch.handlers.buckets import Batch, Bucket, Item, bucket_order, next_bat
 from tsbatch.handlers.errors import BadInput, Overloaded, ServingError
 from tsbatch.handlers.waiting import Arrivals, release_at
 
+# bucket -> how many lanes can run its passes now (handlers/engine.py); None: one
+Lanes = Callable[[Bucket], int] | None
+
 
 class Priority(enum.IntEnum):
     HIGH = 0
@@ -151,27 +154,29 @@ class Scheduler:
             self.queues[bucket] = keep
         return expired
 
-    def ready(self, bucket: Bucket, now: float) -> bool:
+    def ready(self, bucket: Bucket, now: float, lanes: Lanes = None) -> bool:
         queue = self.queues[bucket]
         if not queue:
             return False
         if len(queue) >= self._cap_for(bucket) or not all(t.may_wait for t in queue):
             return True
-        return now >= self.release(bucket)
+        return now >= self.release(bucket, lanes)
 
-    def release(self, bucket: Bucket) -> float:
-        """When the bucket's waiting requests stop holding for company (handlers/waiting.py)."""
+    def release(self, bucket: Bucket, lanes: Lanes = None) -> float:
+        """When the bucket's waiting requests stop holding for company (handlers/waiting.py);
+        `lanes(bucket)`: how many lanes can run its passes now (default one)."""
         queue = self.queues[bucket]
         oldest = min(t.arrived for t in queue)
         if self._pass_time is None:
             return oldest + self.policy.max_wait
         return release_at(oldest, self._pass_time(1, bucket), self.arrivals, self.policy.max_wait,
-                          self.company[bucket])
+                          self.company[bucket], lanes(bucket) if lanes else 1)
 
-    def next_batch(self, now: float, buckets: Iterable[int] | None = None) -> tuple[Batch, list[Ticket]] | None:
+    def next_batch(self, now: float, buckets: Iterable[int] | None = None,
+                   lanes: Lanes = None) -> tuple[Batch, list[Ticket]] | None:
         """The batch to run now among `buckets` (default all), with its tickets; None if none is ready."""
         allowed = self.policy.edges if buckets is None else tuple(buckets)
-        ready = [b for b in allowed if self.ready(b, now)]
+        ready = [b for b in allowed if self.ready(b, now, lanes)]
         if not ready:
             return None
         bucket = min(ready, key=lambda b: self._rank(b, now))
@@ -190,7 +195,7 @@ class Scheduler:
         return (0, oldest, 0.0, ()) if starving else (1, 0.0, best, bucket_order(bucket))
 
     def time_until_ready(self, now: float, buckets: Sequence[int] | None = None,
-                         lead: Callable[[int], float] | None = None) -> float | None:
+                         lead: Callable[[int], float] | None = None, lanes: Lanes = None) -> float | None:
         """Seconds until some bucket in `buckets` becomes ready by age, or any ticket must expire
         (deadline minus `lead`, in any bucket: an idle lane expires tickets a busy lane cannot get to)."""
         allowed = self.policy.edges if buckets is None else tuple(buckets)
@@ -199,7 +204,7 @@ class Scheduler:
             if not queue:
                 continue
             if bucket in allowed:
-                due = self.release(bucket) if all(t.may_wait for t in queue) else now
+                due = self.release(bucket, lanes) if all(t.may_wait for t in queue) else now
                 waits.append(due - now)
             ahead = lead(bucket) if lead else 0.0
             waits.extend(t.deadline - ahead - now for t in queue if t.deadline is not None)

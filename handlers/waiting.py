@@ -22,6 +22,13 @@ not come (short p50 46.4 -> 35.4 ms); a first version that also skipped the hold
 gaps were below T(1)/(n + 1)) lost capacity on short texts alone at 90 req/s (p99 206 vs 150 ms).
 Without a profile (warmup off) the hold is always `max_wait_ms`.
 
+Passes of one are counted per lane that can run the bucket now (`lanes`: its own lane and each
+idle lane that helps it, handlers/engine.py): on short texts alone the long lane runs short
+passes too, so two lanes keep up with single-request passes where one could not, and holding
+would only add the wait. Side by side at 90 req/s of short texts alone (bench/results/
+lanes-that-help.md) the hold fell from 7 to 1-3 ms median and short p50 from 31.7 to 26.9 ms;
+the mix at 14, 70 and 130 req/s was unchanged within noise (its long lane is busy with its own).
+
 Pure: no clock of its own (times come from the caller), no torch, no threads.
 """
 from __future__ import annotations
@@ -54,12 +61,13 @@ class Arrivals:
 
 
 def release_at(oldest: float, alone: float, arrivals: Arrivals, max_wait: float,
-               company: Arrivals | None = None) -> float:
+               company: Arrivals | None = None, lanes: int = 1) -> float:
     """When a bucket's batch stops holding for company (a time on the caller's clock), from when
     its oldest request arrived, `alone` (the seconds of a pass of one request, 0: unknown), the
-    worker's `arrivals` and the bucket's own (`company`)."""
+    worker's `arrivals`, the bucket's own (`company`) and how many `lanes` can run its passes now."""
     if alone <= 0:
         return oldest + max_wait  # no profile: the configured wait
+    alone /= max(1, lanes)
     gap = arrivals.median_gap()
     if alone < BUSY * gap:
         return oldest  # passes of one keep up easily: run at once

@@ -503,6 +503,32 @@ def test_free_in_is_zero_while_a_lane_is_idle_then_the_first_typical_end(make_en
     assert _until(lambda: engine.free_in() == 0.0)
 
 
+def test_lanes_serving_a_bucket_count_its_own_and_each_later_lane_idle_or_helping_with_it(make_engine):
+    """What the hold for company divides a single-request pass by (handlers/waiting.py): a
+    short bucket has two lanes while the long lane is idle or runs short passes too, one while
+    the long lane runs its own; a long bucket always has its own lane only."""
+    isolator = FakeIsolator(block=(16, 256))
+    engine, isolator, deliveries = make_engine(isolator, lanes=split_lanes(EDGES, 128), max_wait=0.0)
+    with engine.cond:
+        assert (engine._serving(16), engine._serving(256)) == (2, 1)  # both idle
+    engine.submit([ticket(256)])
+    assert _until(lambda: len(isolator.calls) == 1)
+    with engine.cond:
+        assert (engine._serving(16), engine._serving(256)) == (1, 1)  # the long lane runs its own
+    isolator.release.set()
+    assert deliveries.wait_count(1)
+    isolator.release.clear()
+    engine.submit([ticket(16)])
+    assert _until(lambda: len(isolator.calls) == 2)
+    engine.submit([ticket(16)])  # the short lane is busy: the long lane helps with it
+    assert _until(lambda: len(isolator.calls) == 3)
+    assert isolator.threads[1:] == ["tsbatch-lane-0", "tsbatch-lane-1"]
+    with engine.cond:
+        assert (engine._serving(16), engine._serving(256)) == (2, 1)
+    isolator.release.set()
+    assert deliveries.wait_count(3)
+
+
 def test_reply_pace_grows_with_the_requests_the_next_call_resends_up_to_its_bound():
     assert reply_pace(0) == 0.0 and reply_pace(-1) == 0.0
     assert reply_pace(2) == pytest.approx(0.002)  # light load: a reply or two a millisecond apart

@@ -122,3 +122,34 @@ def test_the_company_rule_applies_only_while_one_lane_keeps_up_with_passes_of_on
     assert release_at(1.0, 0.008, worker, 0.011, sparse) == 1.0  # busy, but nothing to wait for
     assert release_at(1.0, 0.008, worker, 0.011, dense) == pytest.approx(1.011)  # company is coming
     assert release_at(1.0, 0.016, worker, 0.011, sparse) == pytest.approx(1.011)  # 16 ms > 10/ln 2: fill batches
+
+
+def test_passes_of_one_are_counted_per_lane_that_can_run_the_bucket():
+    """16 ms passes against a request every 10 ms: one lane cannot keep up with passes of one and
+    holds; with a second lane idle or helping (short texts alone), 8 ms a pass per lane is in the
+    band where a bucket holds only if company comes within the hold."""
+    worker, sparse, dense = Arrivals(), Arrivals(), Arrivals()
+    for k in range(9):
+        worker.arrived(k * 0.010)
+        sparse.arrived(k * 0.100)
+        dense.arrived(k * 0.005)
+    assert release_at(1.0, 0.016, worker, 0.011, sparse, lanes=1) == pytest.approx(1.011)
+    assert release_at(1.0, 0.016, worker, 0.011, sparse, lanes=2) == 1.0
+    assert release_at(1.0, 0.016, worker, 0.011, dense, lanes=2) == pytest.approx(1.011)
+    assert release_at(1.0, 0.016, worker, 0.011, sparse, lanes=0) == pytest.approx(1.011)  # never fewer than one
+
+
+def test_the_scheduler_asks_how_many_lanes_can_run_a_bucket():
+    policy = SchedulerPolicy(edges=(8, 16, 24, 32, 40, 48), max_wait=MAX_WAIT, queue_cap=100, age_bound=10.0,
+                             priority_aging=0.0)
+    scheduler = Scheduler(policy, lambda bucket: 16, lambda size, bucket: 0.016)
+    for k in range(9):  # the worker: a request every 10 ms over six buckets; bucket 24 gets the last one
+        scheduler.submit(Ticket(Item(k, "", 10, 24 if k == 8 else (8, 16, 32, 40, 48)[k % 5]), k * 0.010))
+    asked = []
+    lanes = lambda bucket: asked.append(bucket) or 2  # noqa: E731
+    now = 0.081
+    assert scheduler.next_batch(now, (24,)) is None  # one lane: 16 ms passes hold
+    assert scheduler.time_until_ready(now, (24,)) == pytest.approx(0.080 + MAX_WAIT - now)
+    assert scheduler.time_until_ready(now, (24,), lanes=lanes) == 0.0
+    picked = scheduler.next_batch(now, (24,), lanes)  # two: the bucket gains no company, run it
+    assert picked is not None and picked[0].bucket == 24 and set(asked) == {24}
