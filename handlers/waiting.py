@@ -25,9 +25,11 @@ Without a profile (warmup off) the hold is always `max_wait_ms`.
 Passes of one are counted per lane that can run the bucket now (`lanes`: its own lane and each
 idle lane that helps it, handlers/engine.py): on short texts alone the long lane runs short
 passes too, so two lanes keep up with single-request passes where one could not, and holding
-would only add the wait. Side by side at 90 req/s of short texts alone (bench/results/
-lanes-that-help.md) the hold fell from 7 to 1-3 ms median and short p50 from 31.7 to 26.9 ms;
-the mix at 14, 70 and 130 req/s was unchanged within noise (its long lane is busy with its own).
+would only add the wait. Side by side on short texts alone (bench/results/lanes-that-help.md):
+at 90 req/s the median hold fell from 13.2 to 1-2 ms and short p50 from 32.9 to 26.2 ms (the
+first-come control 27.5), short p99 59 -> 69 ms (control 61; rounds ranged 59-100); at 60 req/s
+p50/p99 22.6/47.9 -> 19.0/41.8 ms. The mix at 14, 70 and 130 req/s was unchanged within noise
+(bench/results/lanes-that-help-mix.md): there the long lane is busy with its own.
 
 Pure: no clock of its own (times come from the caller), no torch, no threads.
 """
