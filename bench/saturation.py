@@ -195,12 +195,23 @@ def overload(url: str, worker: int, java: int, rate: float, seconds: float, py_s
     for tid, secs in threads_after.items():
         per_thread[names.get(tid, "native (OpenMP, JIT, I/O)")] += (secs - threads_before.get(tid, 0.0)) / elapsed
     point = summarize(run)
-    return {"rate": rate, "seconds": round(elapsed, 1), "answered_per_s": round(point["ok"] / elapsed, 1),
-            "unprofiled": {"answered_per_s": round(clean["ok"] / seconds, 1), "summary": clean},
+    return {"rate": rate, "seconds": round(elapsed, 1), "answered_per_s": point["throughput"],
+            "unprofiled": {"answered_per_s": clean["throughput"], "summary": clean},
             "summary": point, "cores_busy": cpu, "machine_cores": machine,
             "worker_threads_cores": {k: round(v, 3) for k, v in per_thread.most_common() if v > 0.005},
             "worker_samples": {view: read_samples(paths[view]) for view in ("wall", "cpu") if os.path.exists(paths[view])},
             "gil_held": gil_shares(paths["wall"], paths["gil"]) if os.path.exists(paths["gil"]) else {}}
+
+
+def per_core(report: dict) -> dict:
+    """Requests/s per core the passes had: the profiled window's answers over its lanes' CPU, and
+    the sorted ceiling's over the torch threads it ran on. Equal figures mean the served passes
+    waste nothing; the served worker then lacks only the cores the rest of the path took."""
+    o = report["overload"]
+    lanes = sum(v for k, v in o["worker_threads_cores"].items() if k.startswith("tsbatch-lane"))
+    threads = report["handler"].get("torch_threads") or THREADS
+    return {"lanes_cores": round(lanes, 3), "served_per_lane_core": round(o["answered_per_s"] / lanes, 1) if lanes else None,
+            "ceiling_per_core": round(report["ceilings"]["sorted"]["req_per_s"] / threads, 1)}
 
 
 def markdown(report: dict) -> str:
@@ -220,6 +231,13 @@ def markdown(report: dict) -> str:
               f"({s['sent'] - s['ok']} not 200). Everything below is from that window.", "",
               f"Cores busy over the window (CPU seconds per second, of {THREADS}):", ""]
     lines += [f"- {k}: {v}" for k, v in o["cores_busy"].items()]
+    pc = report.get("per_core")
+    if pc:
+        lines += ["", f"Per core the passes had: the lanes answered {pc['served_per_lane_core']} req/s per core of the "
+                  f"{pc['lanes_cores']} they got; the sorted ceiling does {pc['ceiling_per_core']} per core. " +
+                  ("What the served worker lacks against the ceiling is the cores the rest of the path above took."
+                   if (pc["served_per_lane_core"] or 0) >= pc["ceiling_per_core"] else
+                   "The served passes also do less per core than the ceiling's.")]
     lines += ["", "The machine's cores by state (the kernel's cpu counters; nice is the long lane, which runs at a lower priority): " + ", ".join(f"{k} {v}" for k, v in o.get("machine_cores", {}).items())]
     lines += ["", "Worker threads (cores):", ""] + [f"- {k}: {v}" for k, v in o["worker_threads_cores"].items()]
     titles = {"wall": "every sample, waits included (share of the window)", "cpu": "on-CPU samples only (share of the thread's CPU)"}
@@ -268,6 +286,7 @@ def main() -> int:
     answered = report["overload"]["unprofiled"]["answered_per_s"]
     report["served_over_sorted"] = round(answered / report["ceilings"]["sorted"]["req_per_s"], 3)
     report["served_over_shapes"] = round(answered / report["ceilings"]["served"]["req_per_s"], 3)
+    report["per_core"] = per_core(report)
     reports.write(args.out, report, markdown(report))
     print(markdown(report))
     return 0

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.saturation import classify, gil_shares, read_samples
+from bench.saturation import classify, gil_shares, per_core, read_samples
 
 pytestmark = pytest.mark.unit
 
@@ -41,3 +41,10 @@ def test_gil_shares_divide_each_threads_gil_samples_by_all_of_its_samples(tmp_pa
                      f"thread (10): MainThread;{MAIN} 4\n")
     held.write_text(f"thread (11): tsbatch-lane-0;{LANE} 2\n")
     assert gil_shares(str(every), str(held)) == {"tsbatch-lane-0": 0.25, "MainThread": 0.0}
+
+
+def test_per_core_divides_the_served_answers_by_the_lanes_cores_and_the_ceiling_by_its_threads():
+    report = {"handler": {"torch_threads": 2}, "ceilings": {"sorted": {"req_per_s": 177.0}},
+              "overload": {"answered_per_s": 120.0, "worker_threads_cores": {
+                  "tsbatch-lane-0": 0.7, "tsbatch-lane-1": 0.5, "MainThread": 0.25}}}
+    assert per_core(report) == {"lanes_cores": 1.2, "served_per_lane_core": 100.0, "ceiling_per_core": 88.5}
