@@ -139,12 +139,18 @@ def sample(pid: int, seconds: float, py_spy: str, path: str, view: str) -> subpr
 
 def raw_stacks(path: str) -> Iterator[tuple[str, list[str], int]]:
     """py-spy's raw output, whose lines read "thread (TID): NAME;frame;frame... COUNT", as
-    (thread name, frames, count)."""
+    (thread name, frames, count). A frame may span lines (py-spy names a module's import by its
+    docstring): a record ends at the first line that ends in a count."""
     with open(path) as f:
+        record = ""
         for line in f:
-            stack, _, n = line.rstrip("\n").rpartition(" ")
+            record += line
+            stack, _, n = record.rstrip("\n").rpartition(" ")
+            if not n.isdigit():
+                continue
             head, *frames = stack.split(";")
             yield head.split("): ", 1)[-1], [fr for fr in frames if not fr.startswith("process ")], int(n)
+            record = ""
 
 
 def samples_per_thread(path: str) -> collections.Counter:

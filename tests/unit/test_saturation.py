@@ -48,3 +48,10 @@ def test_per_core_divides_the_served_answers_by_the_lanes_cores_and_the_ceiling_
               "overload": {"answered_per_s": 120.0, "worker_threads_cores": {
                   "tsbatch-lane-0": 0.7, "tsbatch-lane-1": 0.5, "MainThread": 0.25}}}
     assert per_core(report) == {"lanes_cores": 1.2, "served_per_lane_core": 100.0, "ceiling_per_core": 88.5}
+
+
+def test_a_frame_that_spans_lines_stays_in_its_record(tmp_path):
+    path = tmp_path / "raw.stacks"
+    path.write_text("thread (1): MainThread;mod.py:<module>;a docstring.\n\nMore of it\n;json/encoder.py:encode 3\n"
+                    "thread (2): tsbatch-lane-0;runner.py:forward 5\n")
+    assert read_samples(str(path)) == {"MainThread": {"response encoding (JSON)": 1.0}, "tsbatch-lane-0": {"forward pass": 1.0}}
