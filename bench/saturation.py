@@ -140,8 +140,9 @@ def sample(pid: int, seconds: float, py_spy: str, path: str, view: str) -> subpr
 def raw_stacks(path: str) -> Iterator[tuple[str, list[str], int]]:
     """py-spy's raw output, whose lines read "thread (TID): NAME;frame;frame... COUNT", as
     (thread name, frames, count). A frame may span lines (py-spy names a module's import by its
-    docstring): a record ends at the first line that ends in a count."""
-    with open(path) as f:
+    docstring; a name read while the process changed it can be bytes that are not UTF-8): a record
+    ends at the first line that ends in a count."""
+    with open(path, errors="replace") as f:
         record = ""
         for line in f:
             record += line
