@@ -136,12 +136,11 @@ def sample(pid: int, seconds: float, py_spy: str, path: str, view: str) -> subpr
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-
 def raw_stacks(path: str) -> Iterator[tuple[str, list[str], int]]:
     """py-spy's raw output, whose lines read "thread (TID): NAME;frame;frame... COUNT", as
     (thread name, frames, count). A frame may span lines (py-spy names a module's import by its
-    docstring; a name read while the process changed it can be bytes that are not UTF-8): a record
-    ends at the first line that ends in a count."""
+    docstring; a name sampled mid-change can be bytes that are not UTF-8): a record ends at the
+    first line that ends in a count."""
     with open(path, errors="replace") as f:
         record = ""
         for line in f:
@@ -212,11 +211,9 @@ def overload(url: str, worker: int, java: int, rate: float, seconds: float, py_s
 
 def per_core(report: dict) -> dict:
     """Requests/s per core the passes had: the profiled window's answers over its lanes' CPU, and
-    the sorted ceiling's over the torch threads it ran on. Equal figures mean the served passes
-    waste nothing; the served worker then lacks only the cores the rest of the path took."""
-    o = report["overload"]
+    the sorted ceiling's over its torch threads. Equal figures: the served worker lacks only cores."""
+    o, threads = report["overload"], report["handler"].get("torch_threads") or THREADS
     lanes = sum(v for k, v in o["worker_threads_cores"].items() if k.startswith("tsbatch-lane"))
-    threads = report["handler"].get("torch_threads") or THREADS
     return {"lanes_cores": round(lanes, 3), "served_per_lane_core": round(o["answered_per_s"] / lanes, 1) if lanes else None,
             "ceiling_per_core": round(report["ceilings"]["sorted"]["req_per_s"] / threads, 1)}
 
@@ -238,8 +235,7 @@ def markdown(report: dict) -> str:
               f"({s['sent'] - s['ok']} not 200). Everything below is from that window.", "",
               f"Cores busy over the window (CPU seconds per second, of {THREADS}):", ""]
     lines += [f"- {k}: {v}" for k, v in o["cores_busy"].items()]
-    pc = report.get("per_core")
-    if pc:
+    if pc := report.get("per_core"):
         lines += ["", f"Per core the passes had: the lanes answered {pc['served_per_lane_core']} req/s per core of the "
                   f"{pc['lanes_cores']} they got; the sorted ceiling does {pc['ceiling_per_core']} per core. " +
                   ("What the served worker lacks against the ceiling is the cores the rest of the path above took."
