@@ -110,13 +110,19 @@ class ContinuousMode(ScheduledMode):
         pass should end (by the latency profile), so what arrived during that pass is taken in, or
         shed, in time for the lane's next batch. TorchServe calls a worker that holds requests back
         to back, so this wait is its only pacing. Replies are also at least `reply_pace` apart, by
-        how many requests the next call re-sends. Called under cond."""
+        how many requests the next call re-sends, but never past a finished request's own deadline
+        (which already keeps `deadline_margin_ms` for the reply's way out). Called under cond."""
         poll = self.worker.config.poll_ms / 1000
         hold = max(poll, self.engine.free_in() - poll)
         self.cond.wait_for(lambda: any(rid in self.finished for rid in mine), timeout=hold)
-        until = self.replied + reply_pace(len(self.running) - len(self.finished))
-        if until > time.monotonic():
-            self.cond.wait_for(lambda: time.monotonic() >= until, timeout=until - time.monotonic())
+        while (left := self._reply_due(mine) - time.monotonic()) > 0:
+            self.cond.wait(timeout=left)  # a lane that settles a request wakes it to look again
+
+    def _reply_due(self, mine: list) -> float:
+        """When the next reply may go: `reply_pace` after the previous one, or a finished request's
+        deadline if that comes first. Called under cond."""
+        deadlines = [self.running[rid].deadline for rid in mine if rid in self.finished and self.running[rid].deadline]
+        return min([self.replied + reply_pace(len(self.running) - len(self.finished))] + deadlines)
 
     def _wait_for_all(self, mine: list) -> None:
         """A worker with siblings: answer every request of the call in this one reply, bounded by

@@ -104,6 +104,22 @@ def test_a_worker_holding_many_requests_paces_its_replies_by_how_many_the_next_c
     assert all(gap >= pace - 0.01 for gap, pace in paced), paced
 
 
+def test_the_reply_pace_never_holds_a_finished_answer_past_its_deadline(minilm_dir, monkeypatch):
+    """With a pace of 10 s the second reply still comes by the finished requests' own deadline
+    (2 s, less the margin kept for the way out), answered 200, not after the pace."""
+    from tsbatch.handlers.modes import continuous_mode
+    monkeypatch.setattr(continuous_mode, "reply_pace", lambda held: 10.0)
+    handler, context = load_handler(minilm_dir, frontend=CONTINUOUS, max_batch_size=2, max_wait_ms=1,
+                                    deadline_ms=2000, deadline_margin_ms=50)
+    frontend = ContinuousFrontend(handler, context)
+    for i in range(8):
+        frontend.submit(f"r{i}", TEXTS[i])
+    started = time.monotonic()
+    frontend.drain()
+    assert time.monotonic() - started < 5.0
+    assert frontend.calls >= 2 and all(r.status == 200 for r in frontend.replies.values())
+
+
 def test_a_short_request_is_answered_while_a_long_pass_runs(continuous, reference):
     handler, context = continuous
     frontend = ContinuousFrontend(handler, context)
