@@ -72,10 +72,9 @@ class Engine:
         self.on_lane_start = on_lane_start or (lambda lane: None)
         self.cond = threading.Condition()
         self.lanes = [tuple(lane) for lane in lanes]
-        self.busy = [False] * len(self.lanes)  # guarded by cond: lane i is running a pass
         # guarded by cond: when lane i's pass started and how long such a pass typically takes
         self.passes = [(0.0, 0.0)] * len(self.lanes)
-        self.running: list[Bucket | None] = [None] * len(self.lanes)  # guarded by cond: the bucket of lane i's pass
+        self.running: list[Bucket | None] = [None] * len(self.lanes)  # guarded by cond: the bucket of lane i's pass, if any
         self.owner = {bucket: i for i, lane in enumerate(self.lanes) for bucket in lane}
         self.stopping = False  # guarded by cond
         self.threads = [
@@ -116,7 +115,7 @@ class Engine:
         lane = self.owner.get(bucket, 0)
         now = self.clock()
         running = 0.0
-        if self.busy[lane]:
+        if self.running[lane] is not None:
             started, typical = self.passes[lane]
             running = max(0.0, started + typical - now)
         ahead = running + self.scheduler.backlog(self.lanes[lane], self.pass_seconds)
@@ -151,7 +150,6 @@ class Engine:
                                                                        self._serving))
                 return
             if picked is not None:
-                self.busy[index] = True
                 self.running[index] = picked[0].bucket
                 self.passes[index] = (now, self.typical_pass(picked[0].size, picked[0].bucket))
                 self.cond.notify_all()  # a later lane may now help with what this one leaves queued
@@ -159,9 +157,13 @@ class Engine:
             self._run(expired, picked)
         finally:
             with self.cond:
-                self.busy[index] = False
                 self.running[index] = None
                 self.cond.notify_all()  # a lane waiting to help re-checks who is busy
+
+    @property
+    def busy(self) -> list[bool]:
+        """Whether each lane is running a pass, for readers outside (read under cond)."""
+        return [bucket is not None for bucket in self.running]
 
     def free_in(self) -> float:
         """Seconds until some lane can start new work: 0 while one is idle (or the profile does not
@@ -169,7 +171,7 @@ class Engine:
         time. A pass that overran it (a noisy machine, isolation) may end any moment, but is not
         checked on more often than a tenth of its typical time."""
         with self.cond:
-            if not all(self.busy):
+            if None in self.running:
                 return 0.0
             now = self.clock()
             return min(max(started + typical - now, typical / 10) for started, typical in self.passes)
@@ -181,7 +183,7 @@ class Engine:
         out = ()
         for i in range(index + 1, len(self.lanes)):
             typical = self.passes[i][1]
-            if self.busy[i] and typical > 0 and \
+            if self.running[i] is not None and typical > 0 and \
                     self.scheduler.backlog(self.lanes[i], self.pass_seconds) > BEHIND * typical:
                 out += self.lanes[i]
         return out
@@ -198,7 +200,7 @@ class Engine:
     def _helped(self, index: int) -> tuple[int, ...]:
         """Buckets of earlier (shorter) lanes that are busy now: lane `index` may run their batches
         when it has none of its own. Called under cond."""
-        return tuple(b for i in range(index) if self.busy[i] for b in self.lanes[i])
+        return tuple(b for i in range(index) if self.running[i] is not None for b in self.lanes[i])
 
     def _run(self, expired: list[Ticket], picked) -> None:
         for ticket in expired:
