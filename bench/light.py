@@ -15,6 +15,7 @@ from typing import Callable
 from tsbatch.archiver import server
 from bench.loadtest import report as reports
 from bench.loadtest.sweep import at_rate_interleaved, measure
+from bench.loadtest.workload import Maker, two_cluster
 
 LIGHT_RATE = 14.0  # req/s: light load on this machine, every arm keeping up
 LIGHT_SHARE = 0.3  # of the shipped arm's capacity
@@ -30,11 +31,12 @@ def light_rates(shipped_capacity: float) -> list[float]:
     return rates
 
 
-def light_load(urls: dict[str, str], rates: list[float], duration: float, rounds: int) -> dict:
+def light_load(urls: dict[str, str], rates: list[float], duration: float, rounds: int,
+               requests: Maker = two_cluster) -> dict:
     """Every arm at each light rate, `rounds` interleaved windows each, pooled."""
     out = {}
     for rate in rates:
-        points = at_rate_interleaved(urls, rate, duration, rounds)
+        points = at_rate_interleaved(urls, rate, duration, rounds, requests)
         out[str(rate)] = {arm: {k: point[k] for k in KEPT} for arm, point in points.items()}
     return out
 

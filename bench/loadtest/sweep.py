@@ -9,7 +9,7 @@ from typing import Callable
 from bench.loadtest.arrivals import poisson_arrivals
 from bench.loadtest.load import RunResult, run_one_in_flight, run_open_loop
 from bench.loadtest.stats import client_behind, client_lag, summarize
-from bench.loadtest.workload import Mix, make_requests
+from bench.loadtest.workload import Maker, two_cluster
 
 
 def brief(point: dict) -> str:
@@ -42,21 +42,45 @@ def capacity(points: list[dict], target_ms: float) -> float:
     return best
 
 
-def window(url: str, rate: float, duration: float, seed: int, load=run_open_loop):
-    """One window: Poisson arrivals at `rate` over the length mix (open loop unless `load` says).
+def knee(points: list[dict], target_ms: float) -> tuple[float, float] | None:
+    """The capacity and the first rate above it, which missed the target (None: none missed)."""
+    best = capacity(points, target_ms)
+    above = sorted(p["offered_rate"] for p in points if p["offered_rate"] > best)
+    return (best, above[0]) if above else None
+
+
+def refine(urls: dict[str, str], sweeps: dict[str, list[dict]], duration: float, target_ms: float,
+           steps: int = 2, requests: Maker = two_cluster) -> None:
+    """Bisect each arm's knee `steps` times, one more window per arm and step (arms in turns), so
+    that a capacity is known to a quarter of the sweep's step: with rates 8 req/s apart one noisy
+    window either side of the target moves a ratio by a whole step. Adds the points to `sweeps`."""
+    for step in range(steps):
+        for arm in rotated(list(urls), step):
+            found = knee(sweeps[arm], target_ms)
+            if found is None:
+                continue
+            rate = round(sum(found) / 2, 1)
+            point = summarize(window(urls[arm], rate, duration, seed=300 + step, requests=requests))
+            sweeps[arm] = sorted(sweeps[arm] + [point], key=lambda p: p["offered_rate"])
+            print(f"arm {arm} (knee {found[0]:g}-{found[1]:g}) {brief(point)}", flush=True)
+
+
+def window(url: str, rate: float, duration: float, seed: int, load=run_open_loop, requests: Maker = two_cluster):
+    """One window: Poisson arrivals at `rate` of the workload `requests` makes (open loop unless
+    `load` says).
     A window whose client fell behind its schedule is discarded and run once more (the report's
     client_lag_ms says how far behind the kept one was)."""
     arrivals = poisson_arrivals(rate, duration, seed)
-    requests = make_requests(len(arrivals), Mix(), seed)
-    run = load(url, requests, arrivals, rate, duration)
+    sent = requests(len(arrivals), seed)
+    run = load(url, sent, arrivals, rate, duration)
     if load is run_open_loop and client_behind(client_lag(run)):
         print(f"the client fell behind at {rate} req/s: window run again", flush=True)
-        run = load(url, requests, arrivals, rate, duration)
+        run = load(url, sent, arrivals, rate, duration)
     return run
 
 
-def measure(url: str, rate: float, duration: float, seed: int) -> dict:
-    return summarize(window(url, rate, duration, seed))
+def measure(url: str, rate: float, duration: float, seed: int, requests: Maker = two_cluster) -> dict:
+    return summarize(window(url, rate, duration, seed, requests=requests))
 
 
 def pooled(runs: list[RunResult]) -> RunResult:
@@ -74,7 +98,7 @@ def rotated(items: list, turn: int) -> list:
 
 def sweep_interleaved(urls: dict[str, str], rates: list[float], duration: float, target_ms: float,
                       rounds: int = 1, leaves: Callable[[dict, float], bool] | None = None,
-                      label: str = "arm") -> dict:
+                      label: str = "arm", requests: Maker = two_cluster) -> dict:
     """Every arm at each offered rate in turn (arms interleaved, the first one rotating), so the
     arms of one run see the same machine; with `rounds` > 1 each arm gets that many windows per
     rate, in turns, pooled. An arm leaves the sweep when `leaves(point, target_ms)` says so: by
@@ -88,7 +112,7 @@ def sweep_interleaved(urls: dict[str, str], rates: list[float], duration: float,
         runs: dict[str, list[RunResult]] = {arm: [] for arm in active}
         for round_ in range(rounds):
             for arm in rotated(active, turn + round_):
-                runs[arm].append(window(urls[arm], rate, duration, seed=100 * round_ + int(rate)))
+                runs[arm].append(window(urls[arm], rate, duration, seed=100 * round_ + int(rate), requests=requests))
         for arm, arm_runs in runs.items():
             point = summarize(pooled(arm_runs))
             sweeps[arm].append(point)
@@ -100,14 +124,15 @@ def sweep_interleaved(urls: dict[str, str], rates: list[float], duration: float,
     return sweeps
 
 
-def at_rate_interleaved(urls: dict[str, str], rate: float, duration: float, rounds: int) -> dict:
+def at_rate_interleaved(urls: dict[str, str], rate: float, duration: float, rounds: int,
+                        requests: Maker = two_cluster) -> dict:
     """All arms at one rate for `rounds` interleaved windows each, pooled; each round's short p99
     is kept too, so the report shows how much one window's tail moves."""
     runs: dict[str, list[RunResult]] = {arm: [] for arm in urls}
     rounds_short_p99: dict[str, list] = {arm: [] for arm in urls}
     for turn in range(rounds):
         for arm in rotated(list(urls), turn):
-            run = window(urls[arm], rate, duration, seed=7 + turn)
+            run = window(urls[arm], rate, duration, seed=7 + turn, requests=requests)
             runs[arm].append(run)
             rounds_short_p99[arm].append(summarize(run)["short"]["p99"])
             print(f"arm {arm} at {rate}/s, round {turn + 1}: short p99 {rounds_short_p99[arm][-1]}", flush=True)
@@ -123,14 +148,14 @@ def at_rate_interleaved(urls: dict[str, str], rate: float, duration: float, roun
     return out
 
 
-def floor(urls: dict[str, str], rate: float, duration: float) -> dict:
+def floor(urls: dict[str, str], rate: float, duration: float, requests: Maker = two_cluster) -> dict:
     """Each arm at the first window's arrivals and requests at `rate`, but one request in flight at
     a time: what a short request costs when it never waits behind another, after the idle gaps this
     rate leaves (on a shared machine the caches go cold in them: `make bench-idle`). Scheduling can
     only add to it, so its p99 / a control's short p99 is about the best ratio this machine allows."""
     out = {}
     for arm, url in urls.items():
-        point = summarize(window(url, rate, duration, seed=7, load=run_one_in_flight))
+        point = summarize(window(url, rate, duration, seed=7, load=run_one_in_flight, requests=requests))
         out[arm] = {"short": point["short"], "ok": point["ok"], "sent": point["sent"]}
         print(f"arm {arm} at {rate}/s, one request in flight, short requests: {point['short']}", flush=True)
     return out

@@ -2,7 +2,8 @@
 from bench.idle_bench import slowdown
 from bench.loadtest.load import Result, RunResult
 from bench.loadtest.stats import summarize
-from bench.loadtest.sweep import capacity, passes, pooled, rotated, saturated
+from bench.loadtest import sweep as sweeps
+from bench.loadtest.sweep import capacity, knee, passes, pooled, refine, rotated, saturated
 
 
 def point(rate, p99, sent=100, ok=None, lost=0, throughput=None):
@@ -23,6 +24,33 @@ def test_capacity_counts_failed_answers_as_a_miss():
 
 def test_capacity_with_every_rate_passing_is_the_top_rate():
     assert capacity([point(16, 100), point(8, 90)], 500) == 16  # order of points does not matter
+
+
+def test_knee_is_the_capacity_and_the_first_miss_above_it():
+    sweep = [point(8, 100), point(16, 200), point(24, 600), point(32, 450)]
+    assert knee(sweep, 500) == (16, 24)
+    assert knee([point(8, 100), point(16, 200)], 500) is None  # nothing missed: no knee to bisect
+    assert knee([point(8, 900)], 500) == (0.0, 8)
+
+
+def test_refine_bisects_each_arms_knee_and_the_capacity_follows(monkeypatch):
+    """Arm x serves up to 52 req/s, arm y up to 61: sweeps 8 apart say 48 and 56; two bisections
+    find 52 and 58 (a quarter step), each window at the arm's own midpoint, arms in turns."""
+    limits = {"x": 52, "y": 61}
+    sent = []
+
+    def fake_window(url, rate, duration, seed, requests=None):
+        sent.append((url, rate))
+        return url, rate
+
+    monkeypatch.setattr(sweeps, "window", fake_window)
+    monkeypatch.setattr(sweeps, "summarize", lambda run: {**point(run[1], 100 if run[1] <= limits[run[0]] else 900),
+                                                          "short": {"p99": 50}, "status": {}})
+    found = {arm: [point(r, 100 if r <= limits[arm] else 900) for r in (40, 48, 56, 64)] for arm in limits}
+    refine({"x": "x", "y": "y"}, found, 1.0, 500, steps=2)
+    assert sent == [("x", 52.0), ("y", 60.0), ("y", 62.0), ("x", 54.0)]
+    assert capacity(found["x"], 500) == 52 and capacity(found["y"], 500) == 60
+    assert [p["offered_rate"] for p in found["x"]] == sorted(p["offered_rate"] for p in found["x"])
 
 
 def test_saturation_needs_more_than_a_missed_target():
