@@ -36,9 +36,10 @@ CONTROL_FRONTEND = {"batchSize": 8, "maxBatchDelay": 10, "minWorkers": 1, "maxWo
 SHORT_ONLY = Mix(long_share=0.0, short_median_words=10, short_max_words=24)
 
 
-def build(python: str, store: str, name: str, profile: str | None) -> str:
+def build(python: str, store: str, name: str, profile: str | None, model_dir: str | None = None) -> str:
     """`tsbatch archive` of the checkout `python` runs, tuned from `profile` (taken here if None)."""
     cmd = [python, "-m", "tsbatch.archiver", "archive", "--name", name, "--out", store]
+    cmd += ["--model-dir", model_dir] if model_dir else []
     subprocess.run(cmd + (["--profile", profile] if profile else []), check=True, stdout=subprocess.DEVNULL,
                    cwd=tempfile.gettempdir())
     return profile or os.path.join(store, f"{name}.latency_profile.json")

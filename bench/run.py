@@ -3,15 +3,18 @@
 Arms (same model, one worker unless the arm says two, same frontend settings wherever they apply):
   a  control: pad every request to max_length, first come first served (stock HF example's batching)
   b  control: pad each batch to its longest input, first come first served
-  c  tsbatch, default TorchServe batch mode (bucketed, shortest first)
-  d  tsbatch's scheduler in continuous mode, as shipped (its own queues per bucket, short and long lanes)
-  e  tsbatch's scheduler in async mode (the same scheduler; requests arrive one coroutine each)
-  b2, d2  (b) and (d) with 2 workers of 1 torch thread each (`--arms` adds them)
-Open-loop Poisson arrivals over a short/long length mix, several offered rates past saturation.
+  t  tsbatch as `make serve` builds it: `tsbatch archive`, tuned from a profile taken here (--profile
+     reuses one), continuous mode; its own .mar and model-config.yaml, served as built
+  d  the same mode from the untuned template (its caps, max_wait_ms and threads)
+  d2 (d) with 2 workers of 1 torch thread each
+  c, e, b2  tsbatch in TorchServe's default batch mode, in async mode, and (b) with 2 workers (`--arms`)
+Open-loop Poisson arrivals of one workload (`--workload`, bench/loadtest/workload.py: real-text
+search/RAG mix, short only, mostly long, or the older two-cluster mix), offered rates up to past
+saturation, then each arm's knee bisected twice (sweep.refine).
 Arms take turns at each rate (and in each round at 70% of (b)'s capacity), so every ratio compares
 arms measured in the same minutes: on a shared machine the speed moves between runs (run 2 of
 2026-11-29 was ~1.6x slower throughout than run 1), and sequential arms would carry that into the
-ratios. Writes bench/results/bench.json, bench.md and bench.png. The sweep and its rules (capacity,
+ratios. Writes bench/results/bench-WORKLOAD.{json,md,png} (bench.* for two-cluster). The sweep and its rules (capacity,
 saturation) are in bench/loadtest/sweep.py.
 
 Light load: every arm also at 14 req/s and at 30% of the shipped arm's (d) capacity, `--rounds`
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import zipfile
 import subprocess
 import sys
 import tempfile
@@ -37,9 +41,12 @@ from tsbatch.archiver.package import ArchiveSpec, build_archive  # noqa: E402
 from tsbatch.archiver.properties import model_config  # noqa: E402
 from tsbatch.archiver.tune import frontend_keys  # noqa: E402
 from bench.loadtest import report as reports  # noqa: E402
-from bench.loadtest.sweep import at_rate_interleaved, capacity, floor, measure, passes, sweep_interleaved  # noqa: E402
-from bench.loadtest.workload import Mix, make_requests  # noqa: E402
+from bench.loadtest import corpus  # noqa: E402
+from bench.loadtest.sweep import at_rate_interleaved, capacity, floor, measure, passes, refine, sweep_interleaved  # noqa: E402
+from bench.loadtest.workload import WORKLOADS, histogram, token_counter, workload  # noqa: E402
 from bench import light  # noqa: E402
+from bench.compare import build as tsbatch_archive  # noqa: E402
+from bench.bench_report import markdown, plot  # noqa: E402
 from bench.saturation import ceilings  # noqa: E402
 
 FRONTEND = {"batchSize": 8, "maxBatchDelay": 10, "minWorkers": 1, "maxWorkers": 1, "responseTimeout": 120,
@@ -53,13 +60,14 @@ ARMS = {
               frontend=FRONTEND),
     "b": dict(label="control: pad to longest, FCFS", handler="bench/controls/control_pad_longest.py",
               frontend=FRONTEND),
+    "t": dict(label="tsbatch as `make serve` builds it (tuned here), continuous mode", tuned=True),
     "c": dict(label="tsbatch default mode", frontend=FRONTEND),
-    "d": dict(label="tsbatch scheduler, continuous mode (shipped)", frontend=CONTINUOUS_FRONTEND),
+    "d": dict(label="tsbatch scheduler, continuous mode, untuned template", frontend=CONTINUOUS_FRONTEND),
     "e": dict(label="tsbatch scheduler, async mode", frontend=ASYNC_FRONTEND),
     # two workers of one threads each on the same cores: what scaling with the management API gives
     "b2": dict(label="control: pad to longest, FCFS, 2 workers", handler="bench/controls/control_pad_longest.py",
                frontend={**FRONTEND, **TWO_WORKERS}, section={"torch_threads": 1}),
-    "d2": dict(label="tsbatch scheduler, continuous mode (shipped), 2 workers",
+    "d2": dict(label="tsbatch scheduler, continuous mode, untuned template, 2 workers",
                frontend={**CONTINUOUS_FRONTEND, **TWO_WORKERS}, section={"torch_threads": 1}),
 }
 
@@ -72,7 +80,8 @@ def labels() -> dict[str, str]:
     return {**{arm: spec["label"] for arm, spec in ARMS.items()}, BEFORE: ARMS["d"]["label"] + ", before"}
 
 
-def build_arms(root: str, model_dir: str, arms: list[str], before: str | None = None) -> str:
+def build_arms(root: str, model_dir: str, arms: list[str], before: str | None = None,
+               profile: str | None = None) -> str:
     store = os.path.join(root, "store")
     if before:
         build_before(before, store, model_dir)
@@ -80,6 +89,9 @@ def build_arms(root: str, model_dir: str, arms: list[str], before: str | None = 
         if arm == BEFORE:
             continue
         spec = ARMS[arm]
+        if spec.get("tuned"):
+            tsbatch_archive(sys.executable, store, f"arm_{arm}", profile, model_dir)
+            continue
         extra = {}
         if "handler" in spec:
             extra = {"control_pad_max.py": os.path.join(REPO, "bench/controls/control_pad_max.py")}
@@ -101,87 +113,43 @@ def build_before(python: str, store: str, model_dir: str) -> None:
                    cwd=tempfile.gettempdir())
 
 
-def machine_limit(model_dir: str, seconds: float = 20.0) -> dict:
+def machine_limit(model_dir: str, texts: list[str], section: dict, seconds: float = 20.0) -> dict:
     """The model's own throughput in process (no HTTP, no TorchServe, every core's torch thread) on
-    the bench's texts: at the shapes the tsbatch arms may form (their bucket edges and batch caps),
-    the honest ceiling efficiency is stated against, and sorted by length under a 4,096-token budget."""
-    limits = ceilings(model_dir, {"task": "embedding"}, [r.text for r in make_requests(400, Mix(), seed=99)],
-                      seconds / 2)
+    the workload's texts: at the shapes a tsbatch arm may form (`section`: its bucket edges and
+    batch caps), the honest ceiling efficiency is stated against, and sorted by length under a
+    4,096-token budget."""
+    limits = ceilings(model_dir, section, texts, seconds / 2)
     return {**limits["served"], "sorted": limits["sorted"]}
 
 
-def plot(report: dict, path: str) -> None:
-    import matplotlib
+def served_section(store: str, arms: list[str]) -> dict:
+    """The handler section the ceiling's shapes come from: the tuned arm's own model-config.yaml
+    (read from its .mar) when it is served, else the template's."""
+    if "t" not in arms:
+        return {"task": "embedding"}
+    import yaml
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
-    for arm, data in report["arms"].items():
-        label = f"{arm}: {ARMS[arm]['label']}"
-        pts = data["sweep"]
-        rates = [p["offered_rate"] for p in pts]
-        axes[1].plot(rates, [p["all"]["p99"] for p in pts], marker="o", label=label)
-        axes[2].plot(rates, [p["throughput"] for p in pts], marker="o", label=label)
-        cdf = data.get("at_70pct_b", {}).get("short_latencies_ms", [])
-        if cdf:
-            xs = sorted(cdf)
-            axes[0].plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=label)
-    axes[0].set(title="short-request latency CDF at 70% of (b)'s capacity", xlabel="ms", xscale="log")
-    axes[1].set(title="p99 latency vs offered rate", xlabel="offered req/s", ylabel="ms", yscale="log")
-    axes[1].axhline(report["latency_target_ms"], color="grey", linestyle="--")
-    axes[2].set(title="throughput vs offered rate", xlabel="offered req/s", ylabel="answered req/s")
-    for ax in axes:
-        ax.grid(True, alpha=0.3)
-    axes[2].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
-def markdown(report: dict) -> str:
-    lines = [f"# tsbatch benchmark ({report['when']})", "",
-             f"Machine: {report['machine']}. Command: `{report['command']}`.",
-             f"Workload: open-loop Poisson, {report['mix']}. Latency target p99 ≤ {report['latency_target_ms']} ms.",
-             f"Windows: {report['duration']} s per arm and rate, arms interleaved at each rate; at 70% of (b)'s "
-             f"capacity {report['rounds']} interleaved windows per arm, pooled.", "",
-             "| arm | capacity at target (req/s) | max throughput (req/s) | padding waste | short p99 @70% of b (ms) | long p99 @70% of b (ms) | lost @70% | short p50 / p99, one in flight (ms) |",
-             "|---|---|---|---|---|---|---|---|"]
-    for arm, data in report["arms"].items():
-        at = data.get("at_70pct_b", {})
-        cap = ("≥ " if data.get("capacity_at_least") else "") + str(data["capacity"])
-        alone = at.get("one_in_flight", {}).get("short", {})
-        lines.append(f"| {arm}: {ARMS[arm]['label']} | {cap} | {data['max_throughput']} | "
-                     f"{at.get('padding_waste')} | {at.get('short', {}).get('p99')} | {at.get('long', {}).get('p99')} | "
-                     f"{at.get('lost')} | {alone.get('p50')} / {alone.get('p99')} |")
-    if report.get("light"):
-        lines += ["", f"Light load ({report['rounds']} interleaved windows per arm and rate, pooled; "
-                  f"{light.LIGHT_RATE:g} req/s and {light.LIGHT_SHARE:.0%} of d's capacity):", ""] + \
-            light.light_markdown(report["light"], labels())
-    lines += ["", "Ratios (same run):"]
-    for key, value in report["ratios"].items():
-        lines.append(f"- {key}: {value}")
-    if report.get("machine_limit"):
-        limit = report["machine_limit"]
-        lines += ["", f"Machine limit in process (bench/saturation.py `ceilings`), measured right after the sweep, "
-                  f"at {limit['shapes']}: {limit['real_tokens_per_s']} real tokens/s; serving efficiency (best "
-                  f"served tokens/s ÷ that): {report['efficiency']}. The same limit measured at the end of the run: "
-                  f"{report.get('machine_limit_at_end', {}).get('real_tokens_per_s')} real tokens/s. "
-                  f"Sorted by length: {limit.get('sorted', {}).get('real_tokens_per_s')} real tokens/s."]
-    return "\n".join(lines) + "\n"
+    with zipfile.ZipFile(os.path.join(store, "arm_t.mar")) as mar:
+        section = dict(yaml.safe_load(mar.read("model-config.yaml"))["handler"])
+    section.pop("model_dir", None)
+    return section
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-dir", default=None)
-    parser.add_argument("--arms", default="a,b,c,d,e")
-    parser.add_argument("--rates", default="8,16,24,32,40,48,56,64,80,96,112,128",
+    parser.add_argument("--workload", default="search", choices=list(WORKLOADS))
+    parser.add_argument("--arms", default="a,b,t,d,d2")
+    parser.add_argument("--rates", default="8,16,24,32,40,48,56,64,80,96,112,128,160,192",
                         help="offered req/s, comma separated (up to past saturation of every arm)")
     parser.add_argument("--duration", type=float, default=20.0, help="seconds per window (one arm, one rate)")
     parser.add_argument("--rounds", type=int, default=3,
                         help="interleaved windows per arm at 70%% of (b)'s capacity, pooled")
     parser.add_argument("--target-ms", type=float, default=500.0, help="p99 latency target")
+    parser.add_argument("--profile", help="latency profile arm t is tuned from (default: take one here)")
     parser.add_argument("--out", default=reports.RESULTS)
     parser.add_argument("--no-limit", action="store_true", help="skip the in-process machine limit")
+    parser.add_argument("--no-light", action="store_true", help="skip the light-load rows")
     parser.add_argument("--light-only", action="store_true",
                         help="only the light-load rows (shipped capacity from the last bench.json): light.json/.md")
     parser.add_argument("--before", help="also serve arm d as the checkout this venv Python runs builds it")
@@ -193,72 +161,95 @@ def main(argv=None) -> int:
     arms = args.arms.split(",")
     rates = [float(r) for r in args.rates.split(",")]
     os.makedirs(args.out, exist_ok=True)
+    tokens = token_counter(args.model_dir)
+    requests = workload(args.workload, tokens)
+    texts = [r.text for r in requests(400, 99)]
     report = {"when": reports.utc_now(), "machine": reports.machine(),
-              "command": "make bench", "latency_target_ms": args.target_ms,
-              "mix": "85% short (lognormal, median ~16 tokens), 15% long (200-256 tokens)",
+              "command": f"make bench BENCH_ARGS='--workload {args.workload}'", "latency_target_ms": args.target_ms,
+              "workload": args.workload, "mix": WORKLOADS[args.workload],
+              "source": None if args.workload == "two-cluster" else corpus.source(),
+              "histogram": histogram([r.text for r in requests(2000, 1)], tokens),
               "duration": args.duration, "rounds": args.rounds, "frontend": FRONTEND, "arms": {}}
     server.stop_on_sigterm()
     if args.light_only:
         arms = arms + ([BEFORE] if args.before else [])
         return light.light_only(args, arms, lambda root: build_arms(root, args.model_dir, arms, args.before), labels())
-    with tempfile.TemporaryDirectory(prefix="tsbatch-bench-") as root, \
-            server.local_server(os.path.join(root, "server"), build_arms(root, args.model_dir, arms),
-                                [f"arm_{a}" for a in arms], max_request_size=1 << 22) as served:
-        urls = {arm: f"{served.inference}/predictions/arm_{arm}" for arm in arms}
-        for arm in arms:
-            measure(urls[arm], 4, 3, seed=1)  # first requests: not measured
-        sweeps = sweep_interleaved(urls, rates, args.duration, args.target_ms)
-        if not args.no_limit:  # now, while the server idles: in the same minutes as the sweep's top rates
-            report["machine_limit"] = machine_limit(args.model_dir)
-        for arm in arms:
-            sweep = sweeps[arm]
-            report["arms"][arm] = {"sweep": sweep, "capacity": capacity(sweep, args.target_ms),
-                                   # never missed the target: the sweep's top rate, a lower bound
-                                   "capacity_at_least": all(passes(p, args.target_ms) for p in sweep),
-                                   "max_throughput": max(p["throughput"] for p in sweep),
-                                   "max_served_tokens_per_s": max(p["served_tokens_per_s"] for p in sweep)}
-        if "b" in arms and report["arms"]["b"]["capacity"] > 0:
-            rate = round(0.7 * report["arms"]["b"]["capacity"], 2)
-            for arm, point in at_rate_interleaved(urls, rate, args.duration, args.rounds).items():
-                report["arms"][arm]["at_70pct_b"] = point
-            for arm, point in floor(urls, rate, args.duration).items():
-                report["arms"][arm]["at_70pct_b"]["one_in_flight"] = point
-        if "d" in arms:
-            report["light"] = light.light_load(urls, light.light_rates(report["arms"]["d"]["capacity"]),
-                                               args.duration, args.rounds)
+    with tempfile.TemporaryDirectory(prefix="tsbatch-bench-") as root:
+        store = build_arms(root, args.model_dir, arms, profile=args.profile)
+        section = served_section(store, arms)
+        with server.local_server(os.path.join(root, "server"), store, [f"arm_{a}" for a in arms],
+                                 timeout=900, max_request_size=1 << 22) as served:
+            urls = {arm: f"{served.inference}/predictions/arm_{arm}" for arm in arms}
+            measure_arms(args, report, urls, rates, requests, texts, section)
     if not args.no_limit:
         # measured again at the end, only to show how far the machine's speed moved during the run
-        report["machine_limit_at_end"] = machine_limit(args.model_dir)
+        report["machine_limit_at_end"] = machine_limit(args.model_dir, texts, section)
         best = max(d["max_served_tokens_per_s"] for d in report["arms"].values())
         report["efficiency"] = round(best / report["machine_limit"]["real_tokens_per_s"], 3)
-    ratios = {}
-    arms_data = report["arms"]
-    for ts_arm in ("c", "d", "e", "d2"):
+    report["ratios"] = ratios(report["arms"])
+    stem = os.path.join(args.out, "bench" if args.workload == "two-cluster" else f"bench-{args.workload}")
+    text = markdown(report, labels())
+    reports.write(stem, report, text)
+    try:
+        plot(report, stem + ".png", labels())
+    except ImportError:
+        print("matplotlib missing: no plot")
+    print(text)
+    return 0
+
+
+def measure_arms(args, report: dict, urls: dict[str, str], rates: list[float], requests, texts: list[str],
+                 section: dict) -> None:
+    """The sweep and its knees, the in-process limit beside them, then 70% of (b)'s capacity and
+    the light-load rows: every step with the arms in turns."""
+    arms = list(urls)
+    for arm in arms:
+        measure(urls[arm], 4, 3, seed=1, requests=requests)  # first requests: not measured
+    sweeps = sweep_interleaved(urls, rates, args.duration, args.target_ms, requests=requests)
+    refine(urls, sweeps, args.duration, args.target_ms, requests=requests)
+    if not args.no_limit:  # now, while the server idles: in the same minutes as the sweep's top rates
+        report["machine_limit"] = machine_limit(args.model_dir, texts, section)
+    for arm in arms:
+        sweep = sweeps[arm]
+        report["arms"][arm] = {"sweep": sweep, "capacity": capacity(sweep, args.target_ms),
+                               # never missed the target: the sweep's top rate, a lower bound
+                               "capacity_at_least": all(passes(p, args.target_ms) for p in sweep),
+                               "max_throughput": max(p["throughput"] for p in sweep),
+                               "max_served_tokens_per_s": max(p["served_tokens_per_s"] for p in sweep)}
+    if "b" in arms and report["arms"]["b"]["capacity"] > 0:
+        rate = round(0.7 * report["arms"]["b"]["capacity"], 2)
+        for arm, point in at_rate_interleaved(urls, rate, args.duration, args.rounds, requests).items():
+            report["arms"][arm]["at_70pct_b"] = point
+        for arm, point in floor(urls, rate, args.duration, requests).items():
+            report["arms"][arm]["at_70pct_b"]["one_in_flight"] = point
+    shipped = "t" if "t" in arms else "d"
+    if shipped in arms and not args.no_light:
+        report["light"] = light.light_load(urls, light.light_rates(report["arms"][shipped]["capacity"]),
+                                           args.duration, args.rounds, requests)
+
+
+def ratios(arms_data: dict) -> dict:
+    """Each tsbatch arm against each control: capacity, and short p99 at 70% of (b)'s capacity."""
+    out = {}
+    for ts_arm in ("t", "c", "d", "e", "d2"):
         if ts_arm not in arms_data:
             continue
         for control in ("a", "b", "b2"):
             if control in arms_data and arms_data[control]["capacity"]:
-                ratios[f"capacity {ts_arm}/{control}"] = round(arms_data[ts_arm]["capacity"] / arms_data[control]["capacity"], 2)
+                out[f"capacity {ts_arm}/{control}"] = round(arms_data[ts_arm]["capacity"] / arms_data[control]["capacity"], 2)
         at = arms_data[ts_arm].get("at_70pct_b", {}).get("short", {}).get("p99")
         base = arms_data.get("b", {}).get("at_70pct_b", {}).get("short", {}).get("p99")
         if at and base:
-            ratios[f"short p99 at 70% of b: {ts_arm}/b"] = round(at / base, 3)
+            out[f"short p99 at 70% of b: {ts_arm}/b"] = round(at / base, 3)
             rounds = zip(arms_data[ts_arm]["at_70pct_b"]["rounds_short_p99"],
                          arms_data["b"]["at_70pct_b"]["rounds_short_p99"])
-            ratios[f"short p99 at 70% of b: {ts_arm}/b, each round"] = [
+            out[f"short p99 at 70% of b: {ts_arm}/b, each round"] = [
                 round(x / y, 3) if x and y else None for x, y in rounds]
             alone = arms_data[ts_arm]["at_70pct_b"].get("one_in_flight", {}).get("short", {}).get("p99")
             if alone:
-                ratios[f"short p99 at 70% of b: {ts_arm} one request in flight / b (the best this machine allows)"] = \
+                out[f"short p99 at 70% of b: {ts_arm} one request in flight / b (the best this machine allows)"] = \
                     round(alone / base, 3)
-    report["ratios"] = ratios
-    reports.write(os.path.join(args.out, "bench"), report, markdown(report))
-    try:
-        plot(report, os.path.join(args.out, "bench.png"))
-    except ImportError:
-        print("matplotlib missing: no plot")
-    print(markdown(report))
-    return 0
+    return out
 
 
 if __name__ == "__main__":
