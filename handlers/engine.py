@@ -11,9 +11,11 @@ the long lane falls behind (more than BEHIND of its passes queued): on this mix 
 what bounds a worker's throughput, and under sustained load the short lane's core would otherwise
 idle between short batches while long requests queue.
 
-Deadlines are kept twice: a ticket whose pass could not end before its deadline (`pass_seconds`,
-from the latency profile) gets 504 instead of running, and a result that is ready only after the
-deadline is replaced by 504 as well, so no accepted request is ever answered late.
+Deadlines are kept three times: a request whose lane has more work queued than its deadline
+allows is refused at once (503, `_admissible`), a ticket whose pass could not end before its
+deadline (`pass_seconds`, from the latency profile) gets 504 instead of running, and a result that
+is ready only after the deadline is replaced by 504 as well, so no accepted request is ever
+answered late.
 """
 from __future__ import annotations
 
@@ -59,10 +61,11 @@ class Engine:
                  deliver: Callable[[Ticket, Answer], None], clock: Callable[[], float] = time.monotonic,
                  on_batch: Callable[..., None] | None = None,
                  on_lane_start: Callable[[int], None] | None = None,
-                 pass_seconds: Callable[[int], float] | None = None,
+                 pass_seconds: Callable[..., float] | None = None,
                  typical_pass: Callable[[int, int], float] | None = None):
         self.scheduler = scheduler
-        self.pass_seconds = pass_seconds or (lambda bucket: 0.0)
+        # (bucket, size=its cap) -> p90 seconds of that pass by the latency profile (0: unknown)
+        self.pass_seconds = pass_seconds or (lambda bucket, size=None: 0.0)
         # (batch size, bucket) -> typical seconds of that pass (0: unknown), for `free_in`
         self.typical_pass = typical_pass or (lambda size, bucket: 0.0)
         self.isolator = isolator
@@ -108,7 +111,10 @@ class Engine:
             self.cond.notify_all()
 
     def _admissible(self, ticket: Ticket) -> None:
-        """Called under cond."""
+        """Refuse a ticket whose lane would run it past its deadline: the rest of the pass running
+        now, then every queued pass of the lane's buckets with this ticket among them, at the
+        sizes the lane will form them (Scheduler.work), as the latency profile times them. An
+        idle lane with nothing queued never refuses. Called under cond."""
         if ticket.deadline is None:
             return
         bucket = ticket.item.bucket
@@ -118,10 +124,12 @@ class Engine:
         if self.running[lane] is not None:
             started, typical = self.passes[lane]
             running = max(0.0, started + typical - now)
-        ahead = running + self.scheduler.backlog(self.lanes[lane], self.pass_seconds)
-        if ahead > 0 and now + ahead + self.pass_seconds(bucket) > ticket.deadline:
-            raise Overloaded(f"this worker has {ahead * 1000:.0f} ms of work ahead of this request, more than its "
-                             f"deadline allows: retry shortly", reason="deadline")
+        if self.running[lane] is None and not any(self.scheduler.queues[b] for b in self.lanes[lane]):
+            return
+        done = running + self.scheduler.work(self.lanes[lane], self.pass_seconds, joining=bucket)
+        if now + done > ticket.deadline:
+            raise Overloaded(f"this worker has {done * 1000:.0f} ms of work ahead of this request with its own pass, "
+                             f"more than its deadline allows: retry shortly", reason="deadline")
 
     def _lane(self, index: int, buckets: tuple[int, ...]) -> None:
         self.on_lane_start(index)
@@ -184,7 +192,7 @@ class Engine:
         for i in range(index + 1, len(self.lanes)):
             typical = self.passes[i][1]
             if self.running[i] is not None and typical > 0 and \
-                    self.scheduler.backlog(self.lanes[i], self.pass_seconds) > BEHIND * typical:
+                    self.scheduler.backlog(self.lanes[i], self.pass_seconds) > BEHIND * typical:  # passes at cap
                 out += self.lanes[i]
         return out
 

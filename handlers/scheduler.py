@@ -142,6 +142,21 @@ class Scheduler:
         return sum(math.ceil(len(self.queues[b]) / max(1, self._cap_for(b))) * pass_seconds(b)
                    for b in buckets if self.queues[b])
 
+    def work(self, buckets: Iterable[Bucket], pass_seconds: Callable[[Bucket, int], float],
+             joining: Bucket | None = None) -> float:
+        """Seconds until these buckets' queues (and one more request `joining` one of them) have
+        run: each bucket's requests in the passes a lane forms (next_batch_size: powers of two up
+        to the cap), each as long as `pass_seconds(bucket, size)` says for its size. Unlike
+        backlog, a bucket with one request waiting costs a pass of one, not a pass at its cap."""
+        total = 0.0
+        for bucket in buckets:
+            waiting = len(self.queues[bucket]) + (bucket == joining)
+            while waiting > 0:
+                size = next_batch_size(waiting, self._cap_for(bucket))
+                total += pass_seconds(bucket, size)
+                waiting -= size
+        return total
+
     def expire(self, now: float, lead: Callable[[int], float] | None = None) -> list[Ticket]:
         """Remove and return every ticket that cannot finish by its deadline: `lead(bucket)` is
         the time a pass of that bucket takes (0 by default: only deadlines already passed)."""

@@ -39,10 +39,12 @@ class Worker:
         """Every batch size the handler forms in this bucket (what warmup runs)."""
         return power_of_two_sizes(self.cap_for(bucket))
 
-    def pass_seconds(self, bucket: Bucket) -> float:
-        """How long a pass of this bucket takes at its cap (p90 from warmup's latency profile; 0
-        without one): a request that cannot finish by its deadline gets 504 before it runs."""
-        timing = self.profile.lookup(self.cap_for(bucket), bucket) if self.profile else None
+    def pass_seconds(self, bucket: Bucket, size: int | None = None) -> float:
+        """How long a pass of this bucket takes with `size` texts, by default at its cap (p90 from
+        warmup's latency profile; 0 without one): a request that cannot finish by its deadline
+        gets 504 before it runs, or 503 at once when its lane's queue says so (Engine)."""
+        size = self.cap_for(bucket) if size is None else size
+        timing = self.profile.lookup(size, bucket) if self.profile else None
         return timing.p90_ms / 1000 if timing else 0.0
 
     def typical_pass(self, size: int, bucket: Bucket) -> float:

@@ -256,14 +256,14 @@ def test_a_ticket_whose_deadline_passes_while_waiting_gets_504_on_time(make_engi
 
 def test_a_ticket_whose_pass_would_end_after_its_deadline_gets_504_without_running(make_engine):
     engine, isolator, deliveries = make_engine(max_wait=0.0)
-    engine.pass_seconds = lambda bucket: {256: 0.5}.get(bucket, 0.0)  # a 256-token pass: 0.5 s by the profile
+    engine.pass_seconds = lambda bucket, size=None: {256: 0.5}.get(bucket, 0.0)  # a 256-token pass: 0.5 s
     doomed = ticket(256, deadline_in=0.3)  # could not finish in time: answer now, spend nothing
     engine.submit([doomed])
     outcome, size = deliveries.wait_ticket(doomed)
     assert isinstance(outcome, DeadlineExceeded) and size == 0
     assert isolator.calls == []
 
-    engine.pass_seconds = lambda bucket: 0.5
+    engine.pass_seconds = lambda bucket, size=None: 0.5
     fits = ticket(256, deadline_in=5.0)
     engine.submit([fits])
     assert deliveries.wait_ticket(fits) == ({"text": fits.item.text}, 1)
@@ -406,7 +406,7 @@ def test_the_long_lane_runs_its_own_batch_before_helping(make_engine):
     assert deliveries.wait_count(21)
 
 
-PROFILE = {"pass_seconds": lambda bucket: 0.1, "typical_pass": lambda size, bucket: 0.1}
+PROFILE = {"pass_seconds": lambda bucket, size=None: 0.1, "typical_pass": lambda size, bucket: 0.1}
 
 
 def _long_pass_running(make_engine, queued: int):
@@ -553,7 +553,7 @@ def test_a_request_whose_lane_has_more_work_queued_than_its_deadline_allows_is_r
                                           priority_aging=0.0), lambda b: batch_cap(b, TOKENS))
     clock = lambda: 0.0  # noqa: E731 - the engine's lanes are not started: time stands still
     engine = Engine(scheduler, FakeIsolator(), split_lanes(EDGES, 128), deliver=lambda t, a: None,
-                    clock=clock, pass_seconds=pass_s.get)
+                    clock=clock, pass_seconds=lambda bucket, size=None: pass_s[bucket])
 
     def long_ticket():
         item = Item(index=0, text="long", length=250, bucket=256)
@@ -568,3 +568,32 @@ def test_a_request_whose_lane_has_more_work_queued_than_its_deadline_allows_is_r
     engine.submit([Ticket(Item(index=0, text="short", length=10, bucket=16), 0.0, deadline=0.05)])
     engine.submit([Ticket(Item(index=0, text="no deadline", length=250, bucket=256), 0.0)])
     assert len(scheduler) == 12
+
+
+def test_admission_counts_the_passes_the_lane_will_form_not_a_full_pass_per_bucket():
+    """A lane with one request waiting in each of five buckets runs five passes of one, not five
+    passes at the cap: a new request fits its 1 s deadline (0.06 s a pass of one). Passes at the
+    cap of 4 (0.19 s): 20 requests of one bucket fit (5 passes, 0.95 s), the 21st would end at
+    1.01 s and is refused."""
+    edges = (128, 160, 192, 224, 256)
+    pass_s = {1: 0.06, 2: 0.1, 4: 0.19}
+    scheduler = Scheduler(SchedulerPolicy(edges=edges, max_wait=0.5, queue_cap=1000, age_bound=10.0,
+                                          priority_aging=0.0), lambda bucket: 4)
+    engine = Engine(scheduler, FakeIsolator(), [edges], deliver=lambda t, a: None, clock=lambda: 0.0,
+                    pass_seconds=lambda bucket, size=None: pass_s[size or 4])
+
+    def at(bucket):
+        return Ticket(Item(index=0, text="long", length=bucket - 1, bucket=bucket), 0.0, deadline=1.0)
+
+    for bucket in edges:
+        engine.submit([at(bucket)])
+    engine.submit([at(256)])  # the old rule charged 6 passes at the cap: 1.14 s, refused
+    assert len(scheduler) == 6
+    for bucket in edges[:-1]:
+        scheduler.queues[bucket].clear()
+    for _ in range(18):
+        engine.submit([at(256)])
+    assert len(scheduler.queues[256]) == 20
+    with pytest.raises(Overloaded, match="ms of work ahead") as refused:
+        engine.submit([at(256)])
+    assert refused.value.reason == "deadline" and "1010 ms" in str(refused.value)
