@@ -42,6 +42,7 @@ from tsbatch.archiver.properties import model_config  # noqa: E402
 from tsbatch.archiver.tune import frontend_keys  # noqa: E402
 from bench.loadtest import report as reports  # noqa: E402
 from bench.loadtest import corpus  # noqa: E402
+from bench.loadtest.proc import split_cores, use_cores  # noqa: E402
 from bench.loadtest.sweep import at_rate_interleaved, capacity, floor, measure, passes, refine, sweep_interleaved  # noqa: E402
 from bench.loadtest.workload import WORKLOADS, histogram, token_counter, workload  # noqa: E402
 from bench import light  # noqa: E402
@@ -174,13 +175,16 @@ def main(argv=None) -> int:
     if args.light_only:
         arms = arms + ([BEFORE] if args.before else [])
         return light.light_only(args, arms, lambda root: build_arms(root, args.model_dir, arms, args.before), labels())
+    split = report["cores"] = split_cores()
     with tempfile.TemporaryDirectory(prefix="tsbatch-bench-") as root:
+        use_cores(split, "server")  # the profile and the torchserve started next run on these
         store = build_arms(root, args.model_dir, arms, profile=args.profile)
         section = served_section(store, arms)
         with server.local_server(os.path.join(root, "server"), store, [f"arm_{a}" for a in arms],
                                  timeout=900, max_request_size=1 << 22) as served:
             urls = {arm: f"{served.inference}/predictions/arm_{arm}" for arm in arms}
             measure_arms(args, report, urls, rates, requests, texts, section)
+    use_cores(split, "server")
     if not args.no_limit:
         # measured again at the end, only to show how far the machine's speed moved during the run
         report["machine_limit_at_end"] = machine_limit(args.model_dir, texts, section)
@@ -203,12 +207,15 @@ def measure_arms(args, report: dict, urls: dict[str, str], rates: list[float], r
     """The sweep and its knees, the in-process limit beside them, then 70% of (b)'s capacity and
     the light-load rows: every step with the arms in turns."""
     arms = list(urls)
+    use_cores(report["cores"], "client")  # the load generator, from here on
     for arm in arms:
         measure(urls[arm], 4, 3, seed=1, requests=requests)  # first requests: not measured
     sweeps = sweep_interleaved(urls, rates, args.duration, args.target_ms, requests=requests)
     refine(urls, sweeps, args.duration, args.target_ms, requests=requests)
     if not args.no_limit:  # now, while the server idles: in the same minutes as the sweep's top rates
+        use_cores(report["cores"], "server")  # the model in process gets the server's cores
         report["machine_limit"] = machine_limit(args.model_dir, texts, section)
+        use_cores(report["cores"], "client")
     for arm in arms:
         sweep = sweeps[arm]
         report["arms"][arm] = {"sweep": sweep, "capacity": capacity(sweep, args.target_ms),

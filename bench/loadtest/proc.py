@@ -120,3 +120,31 @@ class MemorySampler:
             if values:
                 out[key] = {"start": values[0], "end": values[-1], "peak": max(values)}
         return out
+
+
+# -- keeping the load generator off the server's cores -------------------------------------------
+
+CLIENT_CORE_FROM = 4  # cores from which the load generator gets one of its own
+
+
+def split_cores() -> dict[str, list[int]]:
+    """Which cores the server and the load generator get: from CLIENT_CORE_FROM cores up the last
+    one is the client's and the rest the server's ({"server": [...], "client": [...]}); on a
+    smaller machine they share every core ({"shared": [...]}), and reports say so."""
+    available = sorted(os.sched_getaffinity(0))
+    if len(available) < CLIENT_CORE_FROM:
+        return {"shared": available}
+    return {"server": available[:-1], "client": available[-1:]}
+
+
+def use_cores(split: dict[str, list[int]], role: str) -> None:
+    """Run this process (and what it starts from now on) on `role`'s cores; nothing when shared."""
+    if role in split:
+        os.sched_setaffinity(0, split[role])
+
+
+def cores_note(split: dict[str, list[int]]) -> str:
+    if "shared" in split:
+        return (f"the load generator shares all {len(split['shared'])} cores with the server (fewer than "
+                f"{CLIENT_CORE_FROM}: none to spare)")
+    return f"the load generator on core {split['client'][0]}, the server on cores {split['server']}"

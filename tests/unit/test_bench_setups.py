@@ -1,0 +1,55 @@
+"""What the bench scripts set up before they measure: where the load generator runs, the tuning
+benchmark's grid points, and the shapes and texts the served warmup benchmark sends."""
+from __future__ import annotations
+
+import zipfile
+
+import yaml
+
+from bench.loadtest import proc
+from bench.loadtest.workload import token_counter
+from bench.tune_bench import grid_point
+from bench.warmup_served import shapes_of, texts
+
+
+def test_the_load_generator_gets_a_core_of_its_own_only_where_there_are_enough(monkeypatch):
+    set_to = []
+    monkeypatch.setattr(proc.os, "sched_setaffinity", lambda pid, cores: set_to.append(list(cores)))
+    monkeypatch.setattr(proc.os, "sched_getaffinity", lambda pid: {0, 1})
+    small = proc.split_cores()
+    assert small == {"shared": [0, 1]} and "shares all 2 cores" in proc.cores_note(small)
+    proc.use_cores(small, "client")
+    proc.use_cores(small, "server")
+    assert set_to == []  # a shared machine is left as it is
+    monkeypatch.setattr(proc.os, "sched_getaffinity", lambda pid: set(range(8)))
+    big = proc.split_cores()
+    assert big == {"server": list(range(7)), "client": [7]}
+    proc.use_cores(big, "server")
+    proc.use_cores(big, "client")
+    assert set_to == [list(range(7)), [7]] and "core 7" in proc.cores_note(big)
+
+
+def test_no_grid_point_oversubscribes_and_each_mode_sets_its_own_knobs():
+    for mode in ("default", "continuous"):
+        for workers in (1, 2, 3):
+            handler, frontend, config = grid_point([16, 256], mode, 16, 50, workers, cores=2)
+            assert workers * handler["torch_threads"] <= 2 or handler["torch_threads"] == 1
+            assert frontend["minWorkers"] == frontend["maxWorkers"] == workers == config["workers"]
+    handler, frontend, _ = grid_point([16, 256], "default", 4, 5, 2, cores=2)
+    assert (frontend["batchSize"], frontend["maxBatchDelay"], handler["torch_threads"]) == (4, 5, 1)
+    assert not frontend["continuousBatching"] and "max_wait_ms" not in handler
+    handler, frontend, config = grid_point([16, 256], "continuous", 4, 50, 1, cores=2)
+    assert frontend["continuousBatching"] and handler["max_wait_ms"] == 50 and handler["max_batch_size"] == 4
+    assert handler["torch_threads"] == 2 and config["mode"] == "continuous"
+
+
+def test_warmup_served_sends_every_warmed_shape_with_texts_of_exactly_the_buckets_tokens(tmp_path):
+    mar = tmp_path / "m.mar"
+    with zipfile.ZipFile(mar, "w") as archive:
+        archive.writestr("model-config.yaml", yaml.safe_dump({"handler": {"batch_caps": {"8": 4, "64": 1, "256": 2}}}))
+    assert shapes_of(str(mar)) == [(1, 8), (2, 8), (4, 8), (1, 64), (1, 256), (2, 256)]
+    tokens = token_counter()
+    for batch, bucket in ((3, 8), (2, 64), (2, 256)):
+        sent = texts(batch, bucket)
+        assert len(sent) == batch and len(set(sent)) == batch
+        assert [tokens(t) for t in sent] == [bucket] * batch
