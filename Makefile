@@ -20,7 +20,7 @@ ARCHIVE_ARGS ?=
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 SERVE_ENV = TMPDIR=$(RUN_DIR)/tmp TEMP=$(RUN_DIR)/tmp LOG_LOCATION=$(RUN_DIR)/logs METRICS_LOCATION=$(RUN_DIR)/logs PATH=$(CURDIR)/$(VENV)/bin:$$PATH
 
-.PHONY: setup java archive serve stop test test-unit test-transformers4 test-wheel bench-generate bench-many bench-saturation bench bench-warmup bench-idle bench-workers soak chaos clean help
+.PHONY: setup java archive serve stop test test-unit test-transformers4 test-wheel bench-generate bench-many bench-saturation bench bench-warmup bench-warmup-served bench-idle bench-workers soak chaos clean help
 
 help:
 	@echo "make serve    set up, archive all-MiniLM-L6-v2 as '$(NAME)' and serve it on 127.0.0.1:8080-8082"
@@ -30,6 +30,7 @@ help:
 	@echo "make test-wheel  the examples from the wheel installed with its dependencies in a fresh venv (CI runs it)"
 	@echo "make bench    tsbatch against TorchServe's stock batching, side by side (bench/results/bench.*)"
 	@echo "make bench-warmup  first request vs steady state per shape, warmup and compile on/off"
+	@echo "make bench-warmup-served  the same through torchserve, the shipped mode's lane threads, warmup on/off"
 	@echo "make bench-idle    one pass after idle pauses of 1-200 ms: how cold a waiting worker gets"
 	@echo "make bench-workers the built archive with 1, 2 and 3 workers: lone requests, mixed load, logs, idle CPU"
 	@echo "make bench-generate asks for 8 tokens among asks for 256: the generation example vs TorchServe's batching"
@@ -108,6 +109,9 @@ bench-saturation: setup java $(VENV)/.bench-tools
 
 bench-warmup: setup
 	$(PYTHON) bench/warmup_bench.py $(BENCH_ARGS)
+
+bench-warmup-served: setup java
+	$(PYTHON) bench/warmup_served.py $(BENCH_ARGS)
 
 bench-idle: setup
 	$(PYTHON) bench/idle_bench.py $(BENCH_ARGS)

@@ -3,9 +3,10 @@ profile, served by one torchserve (one worker each; the .mar carries its own tsb
 open-loop short/long mix sent to each in turns at every rate. For before/after figures of a change.
 
     python bench/compare.py --before /path/to/other/.venv/bin/python [--rates 14,30] [--seconds 20]
-        [--rounds 3] [--profile P] [--out bench/results/compare] [--short-only] [--control]
+        [--rounds 3] [--profile P] [--out bench/results/compare] [--short-only | --workload W] [--control]
 
---short-only sends short texts only (2-24 words), where length buckets have nothing to gain;
+--short-only sends short texts only (2-24 random common words), where length buckets have nothing
+to gain; --workload sends one of make bench's workloads instead (e.g. search, short: real text);
 --control adds a third arm: make bench's control (b), first come first served under TorchServe's
 batching (batchSize 8, maxBatchDelay 10), each batch padded to its longest input.
 """
@@ -25,7 +26,7 @@ from bench.loadtest import report as reports  # noqa: E402
 from bench.loadtest.arrivals import poisson_arrivals  # noqa: E402
 from bench.loadtest.load import run_open_loop  # noqa: E402
 from bench.loadtest.stats import percentile, summarize  # noqa: E402
-from bench.loadtest.workload import Mix, make_requests  # noqa: E402
+from bench.loadtest.workload import WORKLOADS, Mix, make_requests, workload  # noqa: E402
 from tsbatch.archiver.cli import default_model_dir  # noqa: E402
 from tsbatch.archiver.package import ArchiveSpec, build_archive  # noqa: E402
 from tsbatch.archiver.properties import model_config  # noqa: E402
@@ -36,10 +37,12 @@ CONTROL_FRONTEND = {"batchSize": 8, "maxBatchDelay": 10, "minWorkers": 1, "maxWo
 SHORT_ONLY = Mix(long_share=0.0, short_median_words=10, short_max_words=24)
 
 
-def build(python: str, store: str, name: str, profile: str | None, model_dir: str | None = None) -> str:
-    """`tsbatch archive` of the checkout `python` runs, tuned from `profile` (taken here if None)."""
+def build(python: str, store: str, name: str, profile: str | None, model_dir: str | None = None,
+          extra: list[str] | None = None) -> str:
+    """`tsbatch archive` of the checkout `python` runs, tuned from `profile` (taken here if None);
+    returns the profile's path. `extra`: more `tsbatch archive` arguments."""
     cmd = [python, "-m", "tsbatch.archiver", "archive", "--name", name, "--out", store]
-    cmd += ["--model-dir", model_dir] if model_dir else []
+    cmd += (["--model-dir", model_dir] if model_dir else []) + (extra or [])
     subprocess.run(cmd + (["--profile", profile] if profile else []), check=True, stdout=subprocess.DEVNULL,
                    cwd=tempfile.gettempdir())
     return profile or os.path.join(store, f"{name}.latency_profile.json")
@@ -54,6 +57,7 @@ def main() -> None:
     parser.add_argument("--profile", help="latency profile both archives are tuned from (default: take one here)")
     parser.add_argument("--out", default=os.path.join(reports.RESULTS, "compare"))
     parser.add_argument("--short-only", action="store_true", help="short texts only (2-24 words)")
+    parser.add_argument("--workload", choices=list(WORKLOADS), help="one of make bench's workloads instead")
     parser.add_argument("--control", action="store_true", help="add make bench's control (b)")
     args = parser.parse_args()
     server.stop_on_sigterm()
@@ -69,8 +73,11 @@ def main() -> None:
         arms["control"] = "make bench's control (b): TorchServe batching, first come first served, padded to the longest"
     rates = [float(r) for r in args.rates.split(",")]
     report = {"machine": reports.machine(), "started": reports.utc_now(), "seconds": args.seconds,
-              "rounds": args.rounds, "arms": arms, "short_only": args.short_only, "points": {}}
-    requests = make_requests(int(max(rates) * args.seconds * 2), SHORT_ONLY if args.short_only else Mix(), seed=7)
+              "rounds": args.rounds, "arms": arms, "short_only": args.short_only, "workload": args.workload,
+              "points": {}}
+    count = int(max(rates) * args.seconds * 2)
+    requests = (workload(args.workload)(count, 7) if args.workload else
+                make_requests(count, SHORT_ONLY if args.short_only else Mix(), seed=7))
     with server.local_server(os.path.join(root, "serve"), store, list(arms), timeout=900) as served:
         for rate in rates:
             windows: dict[str, list[dict]] = {name: [] for name in arms}
@@ -104,6 +111,8 @@ def markdown(report: dict) -> str:
              f"`python bench/compare.py`: one torchserve, one worker per arm, {report['seconds']:g} s windows, "
              f"{report['rounds']} rounds per rate, arms in turns (who goes first rotates), figures the median of "
              "the rounds' windows (ms)" + ("; short texts only (2-24 words)" if report.get("short_only") else
+                                           f"; workload {report['workload']}: {WORKLOADS[report['workload']]}"
+                                           if report.get("workload") else
                                            "; the make bench mix (85% short, 15% long)") + ". Arms:", ""]
     lines += [f"- {name}: {where}" for name, where in report["arms"].items()]
     lines += ["", "| req/s | arm | sent | not 200 | short p50 | short p99 | short p99 per round | long p50 | long p99 | all p99 |",
