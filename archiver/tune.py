@@ -155,9 +155,9 @@ def plan_workers(machine: Machine, use_gpu: bool = False, threads: int | None = 
         Choice(workers, f"{machine.cores} cores, no GPU: {workers} worker(s) x {threads} threads = "
                         f"{workers * threads} <= {machine.cores} cores (no oversubscription)"),
         Choice(threads, f"all of this worker's share of the {machine.cores} cores (at most "
-                        f"{MAX_THREADS_PER_WORKER}: beyond that a small encoder gains little from more "
-                        "intra-op threads, so extra cores go to more workers); the scheduler's two lanes "
-                        "split them, the long lane at lower OS priority"),
+                        f"{MAX_THREADS_PER_WORKER}, an assumption, not measured: that beyond it a small "
+                        "encoder gains little from more intra-op threads, so extra cores go to more workers); "
+                        "the scheduler's two lanes split them, the long lane at lower OS priority"),
     )
 
 

@@ -5,18 +5,22 @@ Same machine, same model, same workload (bench/loadtest/workload.Mix: open-loop 
 inputs, some near the maximum), same p99 target. Arms:
   tuned  what `tsbatch archive` builds by default here: profile, tune (continuous mode, batch caps per
          bucket, max wait, workers, threads), build.
-  grid   TorchServe's default batching with the knobs people set by hand: batchSize x
-         maxBatchDelay x workers, tsbatch's handler otherwise as shipped (its max_batch_size set to
-         the batchSize so warmup covers exactly what the frontend can form).
+  grid   the knobs people set by hand, in both batching modes: TorchServe's default batching
+         (batchSize x maxBatchDelay) and tsbatch's continuous mode (one batch cap for every bucket x
+         max_wait_ms, the same values), x workers; each point's torch_threads is the cores divided
+         by its workers, so no point oversubscribes (TorchServe would leave every worker at the
+         core count). tsbatch's handler otherwise as shipped (in default batching its
+         max_batch_size is the batchSize, so warmup covers exactly what the frontend can form).
 Every arm uses the same handler buckets (--buckets) so warmup stays short. Search: for each arm,
 offered rates go up until p99 passes the target or a request is lost or fails; its capacity is the
 rate before that (bench/loadtest/sweep.capacity). Final: the tuned arm and the grid's best are served at once
 and measured in turns, several windows per rate pooled, and the ratio comes from there (a single
 window decides 48 vs 56 req/s by chance on a shared machine, and arms minutes apart meet
 different machines).
-Time to find: for the tuned arm, profile + tune + build wall time; for the grid, the wall time of
-building, starting and sweeping every grid arm (what finding its best by measurement costs); the
-final comparison is not counted for either.
+Time to find, the same way for both: the wall time of building, starting and sweeping each arm
+(the tuned arm's build is its profile + tune + build, shown apart too); for the grid, the sum over
+its points, since a grid knows its best only once it swept them all. The final comparison is not
+counted for either.
 Writes bench/results/tune.json and tune.md. A benchmark, not a test: numbers are noisy on a
 shared 2-core machine.
 """
@@ -93,18 +97,32 @@ def head_to_head(root: str, arms: list[dict], rates: list[float], duration: floa
     return {name: {"sweep": sweep, "capacity": capacity(sweep, target_ms)} for name, sweep in sweeps.items()}
 
 
-def grid_arm(root: str, model_dir: str, buckets: list[int], batch: int, delay: int, workers: int,
+def grid_point(buckets: list[int], mode: str, batch: int, delay: int, workers: int, cores: int) -> tuple[dict, dict, dict]:
+    """One grid point's handler section, model-config keys and label: `batch` and `delay` are
+    batchSize and maxBatchDelay in default batching, the batch cap and max_wait_ms in continuous
+    mode; torch threads are the cores shared by the workers (none oversubscribes)."""
+    threads = max(1, cores // workers)
+    handler = {"task": "embedding", "buckets": buckets, "max_batch_size": batch, "torch_threads": threads}
+    frontend = {**frontend_keys(mode), "minWorkers": workers, "maxWorkers": workers, "responseTimeout": 120,
+                "startupTimeout": 900}
+    if mode == "default":
+        frontend.update(batchSize=batch, maxBatchDelay=delay)
+        config = {"mode": mode, "batchSize": batch, "maxBatchDelay": delay}
+    else:
+        handler["max_wait_ms"] = delay
+        config = {"mode": mode, "batch_cap": batch, "max_wait_ms": delay}
+    return handler, frontend, {**config, "workers": workers, "torch_threads": threads}
+
+
+def grid_arm(root: str, model_dir: str, buckets: list[int], mode: str, batch: int, delay: int, workers: int,
              rates: list[float], duration: float, target_ms: float) -> dict:
-    name = f"grid_b{batch}_d{delay}_w{workers}"
+    name = f"grid_{mode}_b{batch}_d{delay}_w{workers}"
     began = time.perf_counter()
     store = os.path.join(root, name)
-    handler = {"task": "embedding", "buckets": buckets, "max_batch_size": batch}
-    frontend = {**frontend_keys("default"), "batchSize": batch, "maxBatchDelay": delay, "minWorkers": workers,
-                "maxWorkers": workers, "responseTimeout": 120, "startupTimeout": 900}
+    handler, frontend, config = grid_point(buckets, mode, batch, delay, workers, os.cpu_count() or 1)
     build_archive(ArchiveSpec(model_dir, name, model_config(handler, frontend), store))
     result = serve_and_sweep(root, name, store, rates, duration, target_ms)
-    result.update(config={"batchSize": batch, "maxBatchDelay": delay, "workers": workers},
-                  seconds=round(time.perf_counter() - began, 1))
+    result.update(config=config, seconds=round(time.perf_counter() - began, 1))
     return result
 
 
@@ -129,11 +147,12 @@ def tuned_arm(root: str, model_dir: str, buckets: list[int], rates: list[float],
         tuned_config = yaml.safe_load(archive.read("model-config.yaml"))
     result = serve_and_sweep(root, name, store, rates, duration, target_ms,
                              tuned_properties=os.path.join(store, "config.properties"))
+    seconds = time.perf_counter() - began  # built, started and swept: as each grid point's time
     handler = tuned_config["handler"]
     result["properties"] = os.path.join(store, "config.properties")
     result.update(config={k: tuned_config[k] for k in ("continuousBatching", "batchSize", "minWorkers")} |
                   {k: handler.get(k) for k in ("batch_caps", "max_wait_ms", "torch_threads")},
-                  find_seconds=round(find_s, 1), profile_warmup_seconds=warmup_s)
+                  find_seconds=round(find_s, 1), seconds=round(seconds, 1), profile_warmup_seconds=warmup_s)
     return result
 
 
@@ -144,12 +163,12 @@ def markdown(report: dict) -> str:
              f"{report['rates']}. Target: p99 ≤ {report['target_ms']:g} ms, every request answered 200.",
              f"Handler buckets for every arm: {report['buckets']}. Load average (1, 5, 15 min) at start "
              f"{report['load_average_at_start']}, at end {report['load_average_at_end']}.", "",
-             "| arm | configuration | capacity at target (req/s) | p99 at capacity (ms) | wall time (s) |",
+             "| arm | configuration | capacity at target (req/s) | p99 at capacity (ms) | built, started and swept (s) |",
              "|---|---|---|---|---|"]
     for arm in [report["tuned"], *report["grid"]]:
         at = next((p for p in arm["sweep"] if p["offered_rate"] == arm["capacity"]), None)
         p99 = at["all"]["p99"] if at else "—"
-        seconds = arm.get("seconds", arm.get("find_seconds"))
+        seconds = arm["seconds"]
         label = "tuned" if arm is report["tuned"] else "grid"
         lines.append(f"| {label} | `{json.dumps(arm['config'])}` | {arm['capacity']} | {p99} | {seconds} |")
     s = report["summary"]
@@ -162,8 +181,8 @@ def markdown(report: dict) -> str:
     lines += ["", f"- tuned capacity {s['tuned_capacity']} req/s vs the grid's best {s['grid_best_capacity']} req/s "
               f"({s['grid_best']}), measured side by side: ratio {s['capacity_ratio']} (search windows: "
               f"{s['search_tuned_capacity']} vs {s['search_grid_best_capacity']})",
-              f"- time to find: tuned {s['tuned_find_seconds']} s (profile + tune + build) vs grid "
-              f"{s['grid_seconds']} s ({len(report['grid'])} arms built, started and swept)"]
+              f"- time to find, each arm built, started and swept: tuned {s['tuned_seconds']} s (of it profile + "
+              f"tune + build {s['tuned_find_seconds']} s) vs grid {s['grid_seconds']} s ({len(report['grid'])} points)"]
     return "\n".join(lines) + "\n"
 
 
@@ -180,6 +199,7 @@ def main(argv=None) -> int:
     parser.add_argument("--grid-batch", default="4,16", help="TorchServe batchSize values")
     parser.add_argument("--grid-delay", default="5,50", help="TorchServe maxBatchDelay values (ms)")
     parser.add_argument("--grid-workers", default="1,2", help="worker counts")
+    parser.add_argument("--grid-modes", default="default,continuous", help="batching modes")
     parser.add_argument("--out", default=reports.RESULTS)
     args = parser.parse_args(argv)
     if args.model_dir is None:
@@ -189,7 +209,8 @@ def main(argv=None) -> int:
     ints = lambda text: [int(v) for v in text.split(",")]  # noqa: E731
     rates = [float(r) for r in args.rates.split(",")]
     buckets = ints(args.buckets)
-    grid = list(itertools.product(ints(args.grid_batch), ints(args.grid_delay), ints(args.grid_workers)))
+    grid = list(itertools.product(args.grid_modes.split(","), ints(args.grid_batch), ints(args.grid_delay),
+                                  ints(args.grid_workers)))
     command = "python bench/tune_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
     report = {"when": reports.utc_now(), "machine": reports.machine(with_platform=False), "command": command.strip(),
               "target_ms": args.target_ms, "rates": rates, "duration": args.duration, "rounds": args.rounds,
@@ -200,9 +221,9 @@ def main(argv=None) -> int:
         print("tuned arm: tsbatch archive (profile + tune + build), then the sweep", flush=True)
         report["tuned"] = tuned_arm(root, args.model_dir, buckets, rates, args.duration, args.target_ms)
         report["grid"] = []
-        for batch, delay, workers in grid:
-            print(f"grid arm: batchSize {batch}, maxBatchDelay {delay}, workers {workers}", flush=True)
-            report["grid"].append(grid_arm(root, args.model_dir, buckets, batch, delay, workers, rates,
+        for mode, batch, delay, workers in grid:
+            print(f"grid arm: {mode} batching, batch {batch}, wait {delay} ms, workers {workers}", flush=True)
+            report["grid"].append(grid_arm(root, args.model_dir, buckets, mode, batch, delay, workers, rates,
                                            args.duration, args.target_ms))
         best = max(report["grid"], key=lambda a: a["capacity"])
         tuned = report["tuned"]
@@ -219,7 +240,7 @@ def main(argv=None) -> int:
         "tuned_capacity": tuned_final, "grid_best_capacity": best_final, "grid_best": best["config"],
         "capacity_ratio": round(tuned_final / best_final, 2) if best_final else None,
         "search_tuned_capacity": tuned["capacity"], "search_grid_best_capacity": best["capacity"],
-        "tuned_find_seconds": tuned["find_seconds"],
+        "tuned_find_seconds": tuned["find_seconds"], "tuned_seconds": tuned["seconds"],
         "grid_seconds": round(sum(a["seconds"] for a in report["grid"]), 1),
     }
     reports.write(os.path.join(args.out, "tune"), report, markdown(report))
