@@ -136,7 +136,7 @@ def fit_threads(asked: int | None, cores: int, workers: int) -> tuple[int | None
 
     An archive tuned for a bigger machine (`tsbatch archive --cores 8`) asks for more threads
     than a smaller one has: OpenMP teams that outnumber the cores spin against each other (warmup
-    of 2 workers x 4 threads on 2 cores ran 9x slower and outran startupTimeout), so each worker
+    of 2 workers x 4 threads on 2 cores outran startupTimeout), so each worker
     takes its share of the cores instead. None (torch's default) stays for a lone worker."""
     share = max(1, cores // max(1, workers))
     if asked is None:
