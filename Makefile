@@ -28,7 +28,7 @@ help:
 	@echo "make archive  build $(STORE)/NAME.mar and $(STORE)/config.properties [MODEL_DIR=… NAME=… TASK=…]"
 	@echo "make test     set up and run the whole test suite"
 	@echo "make test-wheel  the examples from the wheel installed with its dependencies in a fresh venv (CI runs it)"
-	@echo "make bench    tsbatch against TorchServe's stock batching, side by side (bench/results/bench.*)"
+	@echo "make bench    tsbatch against TorchServe's stock batching, side by side, one workload (BENCH_ARGS=--workload search|short|long|two-cluster; bench/results/bench-WORKLOAD.*)"
 	@echo "make bench-warmup  first request vs steady state per shape, warmup and compile on/off"
 	@echo "make bench-warmup-served  the same through torchserve, the shipped mode's lane threads, warmup on/off"
 	@echo "make bench-idle    one pass after idle pauses of 1-200 ms: how cold a waiting worker gets"
