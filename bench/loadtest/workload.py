@@ -72,7 +72,6 @@ def make_requests(count: int, mix: Mix = Mix(), seed: int = 0) -> list[Request]:
     return requests
 
 
-
 Maker = Callable[[int, int], list[Request]]  # (count, seed) -> that many requests
 
 
