@@ -36,6 +36,7 @@ from tsbatch.handlers.stages import BATCH_SIZE_HEADER, PADDED_HEADER, TIMING_HEA
 from tsbatch.warmup.plan import plan_shapes  # noqa: E402
 from bench.compare import build  # noqa: E402
 from bench.loadtest import report as reports  # noqa: E402
+from bench.loadtest.load import timing_of  # noqa: E402
 from bench.loadtest.workload import WORDS  # noqa: E402
 from bench.warmup_bench import combine  # noqa: E402
 
@@ -60,10 +61,10 @@ def one_pass(url: str, batch: int, bucket: int) -> dict:
     """One request of `batch` texts: the pass time the handler measured, and whether it was one
     pass of that shape."""
     answer = requests.post(url, json={"text": texts(batch, bucket)}, timeout=120)
-    timing = dict(part.strip().split("=") for part in answer.headers.get(TIMING_HEADER, "").split(";") if "=" in part)
+    timing = timing_of(answer.headers.get(TIMING_HEADER, ""))
     sizes = {int(v) for v in answer.headers.get(BATCH_SIZE_HEADER, "0").split(",")}
     padded = {v.strip() for v in answer.headers.get(PADDED_HEADER, "").split(",")}
-    return {"status": answer.status_code, "pass_ms": float(timing.get("pass", "nan")),
+    return {"status": answer.status_code, "pass_ms": timing.get("pass", float("nan")),
             "formed": answer.status_code == 200 and sizes == {batch} and padded == {str(bucket)}}
 
 
