@@ -55,11 +55,17 @@ class RunResult:
 
 def as_result(request: Request, sent: float, shot: Shot) -> Result:
     """A Shot as the benchmark counts it: a 200 with an empty body is lost, and the answer's token
-    count and padding (X-Tsbatch-Padded-To, X-Tsbatch-Batch-Size) are kept for the summaries."""
+    count and padding (X-Tsbatch-Padded-To, X-Tsbatch-Batch-Size) are kept for the summaries; of any
+    other status, its JSON error message (what a refusal says it saw)."""
     if not shot.answered:
         return Result(request.kind, sent, None, None, error=shot.error)
     if shot.status == 200 and not shot.body.strip():
         return Result(request.kind, sent, None, shot.status, error="empty body")
+    if shot.status != 200:  # why: the report keeps a few of each status's messages
+        message = shot.json()
+        message = message.get("error") if isinstance(message, dict) else None
+        return Result(request.kind, sent, shot.latency, shot.status,
+                      error=str(message or shot.body[:200].decode(errors="replace"))[:200])
     match = TOKENS.search(shot.body[-200:]) or TOKENS.search(shot.body)
     return Result(
         request.kind, sent, shot.latency, shot.status,

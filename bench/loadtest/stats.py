@@ -32,6 +32,16 @@ def by_status(shots: Iterable) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
+def refusals(results, keep: int = 3) -> dict[str, list[str]]:
+    """The first `keep` messages of each status other than 200 (a 503 says how much work the worker
+    saw ahead), so a window that missed only by a refusal shows why."""
+    out: dict[str, list[str]] = {}
+    for r in results:
+        if r.status is not None and r.status != 200 and len(out.setdefault(str(r.status), [])) < keep:
+            out[str(r.status)].append(r.error)
+    return out
+
+
 def summarize(run: RunResult) -> dict:
     """One window's figures: answered, lost, throughput, served tokens/s, padding waste, and
     latency p50/p95/p99 (ms) of the 200s, overall and per request kind."""
@@ -41,6 +51,7 @@ def summarize(run: RunResult) -> dict:
         "offered_rate": run.rate, "sent": len(run.results), "ok": len(ok), "lost": len(lost),
         "status": dict(Counter(str(r.status) for r in run.results if r.status is not None)),
         "lost_errors": dict(Counter(r.error for r in lost)),
+        "refusals": refusals(run.results),
         "throughput": round(len(ok) / run.wall, 2) if run.wall else 0.0,
         "sent_rate": round(len(run.results) / run.duration, 2) if run.duration else 0.0,
         "served_tokens_per_s": round(sum(r.tokens for r in ok) / run.wall, 1) if run.wall else 0.0,

@@ -14,8 +14,10 @@ from bench.loadtest.workload import Maker, two_cluster
 
 def brief(point: dict) -> str:
     """One progress line for a measured rate."""
+    said = [f"{status}: {messages[0][:100]}" for status, messages in point.get("refusals", {}).items() if messages]
     return (f"rate {point['offered_rate']:>5}: thr {point['throughput']:>6} p99 {point['all']['p99']} "
-            f"short p99 {point['short']['p99']} lost {point['lost']} status {point['status']}")
+            f"short p99 {point['short']['p99']} lost {point['lost']} status {point['status']}"
+            + (f" (first {'; '.join(said)})" if said else ""))
 
 
 def passes(point: dict, target_ms: float) -> bool:

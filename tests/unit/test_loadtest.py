@@ -18,6 +18,7 @@ from bench.loadtest.client import Shot, read_response, request_head, shoot, spli
 from bench.loadtest.load import Result, RunResult, as_result
 from bench.loadtest.proc import MemorySampler, alive, cpu_seconds, machine_cpu, pids_with, rss_kb, threads_cpu
 from bench.loadtest.stats import CLIENT_BEHIND_MS, by_status, client_behind, client_lag, percentile, rounded, summarize
+from bench.loadtest.sweep import brief
 from bench.loadtest.workload import Request
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench")
@@ -68,14 +69,18 @@ def test_poisson_arrivals_are_reproducible_inside_the_window_and_at_the_rate():
 
 
 def test_at_arrivals_sends_nothing_early_and_keeps_item_order():
-    started_at = {}
+    started_at, events = {}, []
 
     async def send(item, at):
         started_at[item] = time.perf_counter()
+        events.append(("start", item))
         await asyncio.sleep(0.05 if item == "a" else 0)
+        events.append(("end", item))
         return item.upper()
 
     async def run(one_in_flight):
+        started_at.clear()
+        events.clear()
         start = time.perf_counter()
         got = await at_arrivals(["a", "b", "c"], [0.0, 0.02, 0.04], send, one_in_flight)
         return got, {k: v - start for k, v in started_at.items()}
@@ -83,9 +88,12 @@ def test_at_arrivals_sends_nothing_early_and_keeps_item_order():
     got, offsets = asyncio.run(run(False))
     assert got == ["A", "B", "C"]
     assert offsets["b"] >= 0.02 and offsets["c"] >= 0.04
-    assert offsets["b"] < 0.05  # open loop: "b" left while "a" was still out
+    # open loop: "b" left while "a" was still out (by order, not by a timing a busy machine moves:
+    # "b"'s send is due before "a"'s answer, so it goes first even after a stall)
+    assert events.index(("start", "b")) < events.index(("end", "a"))
     got, offsets = asyncio.run(run(True))
     assert got == ["A", "B", "C"] and offsets["b"] >= 0.05  # one in flight: "b" waited for "a"
+    assert events.index(("end", "a")) < events.index(("start", "b"))
 
 
 def test_at_arrivals_reports_how_late_the_client_sent_each_item():
@@ -176,7 +184,20 @@ def test_a_shot_counts_for_the_benchmark_with_its_tokens_and_padding():
     lost = as_result(request, 1.5, Shot(5.0, error="TimeoutError"))
     assert (lost.latency, lost.status, lost.error) == (None, None, "TimeoutError")
     error = as_result(request, 1.5, Shot(5.0, status=503, latency=0.01, body=b'{"error": "busy", "code": 503}'))
-    assert (error.status, error.latency, error.tokens, error.padded_to) == (503, 0.01, 0, 0)
+    assert (error.status, error.latency, error.tokens, error.padded_to, error.error) == (503, 0.01, 0, 0, "busy")
+    odd = as_result(request, 1.5, Shot(5.0, status=502, latency=0.01, body=b"<html>bad gateway</html>"))
+    assert (odd.status, odd.error) == (502, "<html>bad gateway</html>")
+
+
+def test_a_window_keeps_a_few_messages_of_each_refusal_status():
+    results = [Result("short", 0.0, 0.01, 200)] + [Result("long", i, 0.01, 503, error=f"{i} ms of work ahead")
+                                                    for i in range(5)] + [Result("short", 9, 0.01, 504, error="late")]
+    point = summarize(RunResult(10, 1.0, results, 1.0))
+    assert point["refusals"] == {"503": ["0 ms of work ahead", "1 ms of work ahead", "2 ms of work ahead"],
+                                 "504": ["late"]}
+    assert summarize(RunResult(10, 1.0, results[:1], 1.0))["refusals"] == {}
+    line = brief(point)
+    assert "(first 503: 0 ms of work ahead; 504: late)" in line and "(first" not in brief(summarize(RunResult(10, 1.0, results[:1], 1.0)))
 
 
 # -- /proc --------------------------------------------------------------------------------------
