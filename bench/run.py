@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import zipfile
 import subprocess
 import sys
@@ -136,6 +137,11 @@ def served_section(store: str, arms: list[str]) -> dict:
     return section
 
 
+def command_of(given: list[str]) -> str:
+    """The command a report names: `make bench` with the arguments this run was given, all of them."""
+    return "make bench" + (f" BENCH_ARGS={shlex.quote(' '.join(given))}" if given else "")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-dir", default=None)
@@ -166,7 +172,7 @@ def main(argv=None) -> int:
     requests = workload(args.workload, tokens)
     texts = [r.text for r in requests(400, 99)]
     report = {"when": reports.utc_now(), "machine": reports.machine(),
-              "command": f"make bench BENCH_ARGS='--workload {args.workload}'", "latency_target_ms": args.target_ms,
+              "command": command_of(sys.argv[1:] if argv is None else argv), "latency_target_ms": args.target_ms,
               "workload": args.workload, "mix": WORKLOADS[args.workload],
               "source": None if args.workload == "two-cluster" else corpus.source(),
               "histogram": histogram([r.text for r in requests(2000, 1)], tokens),

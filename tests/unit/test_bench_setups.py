@@ -1,5 +1,6 @@
 """What the bench scripts set up before they measure: where the load generator runs, the tuning
-benchmark's grid points, and the shapes and texts the served warmup benchmark sends."""
+benchmark's grid points, the shapes and texts the served warmup benchmark sends, and the command a
+report names."""
 from __future__ import annotations
 
 import zipfile
@@ -8,6 +9,7 @@ import yaml
 
 from bench.loadtest import proc
 from bench.loadtest.workload import token_counter
+from bench.run import command_of
 from bench.tune_bench import grid_point
 from bench.warmup_served import shapes_of, texts
 
@@ -53,3 +55,8 @@ def test_warmup_served_sends_every_warmed_shape_with_texts_of_exactly_the_bucket
         sent = texts(batch, bucket)
         assert len(sent) == batch and len(set(sent)) == batch
         assert [tokens(t) for t in sent] == [bucket] * batch
+
+
+def test_a_report_names_every_argument_its_run_was_given():
+    assert command_of([]) == "make bench"
+    assert command_of(["--workload", "long", "--no-light"]) == "make bench BENCH_ARGS='--workload long --no-light'"
