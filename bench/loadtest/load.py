@@ -62,8 +62,8 @@ def as_result(request: Request, sent: float, shot: Shot) -> Result:
     if shot.status == 200 and not shot.body.strip():
         return Result(request.kind, sent, None, shot.status, error="empty body")
     if shot.status != 200:  # why: the report keeps a few of each status's messages
-        message = shot.json()
-        message = message.get("error") if isinstance(message, dict) else None
+        body = shot.json()
+        message = body.get("error") if isinstance(body, dict) else None
         return Result(request.kind, sent, shot.latency, shot.status,
                       error=str(message or shot.body[:200].decode(errors="replace"))[:200])
     match = TOKENS.search(shot.body[-200:]) or TOKENS.search(shot.body)

@@ -37,8 +37,11 @@ def refusals(results, keep: int = 3) -> dict[str, list[str]]:
     saw ahead), so a window that missed only by a refusal shows why."""
     out: dict[str, list[str]] = {}
     for r in results:
-        if r.status is not None and r.status != 200 and len(out.setdefault(str(r.status), [])) < keep:
-            out[str(r.status)].append(r.error)
+        if r.status is None or r.status == 200:
+            continue
+        messages = out.setdefault(str(r.status), [])
+        if len(messages) < keep:
+            messages.append(r.error)
     return out
 
 
