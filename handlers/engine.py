@@ -12,7 +12,7 @@ what bounds a worker's throughput, and under sustained load the short lane's cor
 idle between short batches while long requests queue.
 
 Deadlines are kept three times: a request whose lane has more work queued than its deadline
-allows is refused at once (503, `_admissible`), a ticket whose pass could not end before its
+allows is refused at once (503, `_admissible`, timed as handlers/admission.py says), a ticket whose pass could not end before its
 deadline (`pass_seconds`, from the latency profile) gets 504 instead of running, and a result that
 is ready only after the deadline is replaced by 504 as well, so no accepted request is ever
 answered late.
@@ -24,6 +24,7 @@ import threading
 import time
 from typing import Callable, Sequence
 
+from tsbatch.handlers.admission import LaneLoad, finish_in
 from tsbatch.handlers.buckets import Bucket, bucket_tokens
 from tsbatch.handlers.errors import DeadlineExceeded, ModelFailed, Overloaded, ServingError
 from tsbatch.handlers.isolate import Isolator
@@ -78,6 +79,7 @@ class Engine:
         # guarded by cond: when lane i's pass started and how long such a pass typically takes
         self.passes = [(0.0, 0.0)] * len(self.lanes)
         self.running: list[Bucket | None] = [None] * len(self.lanes)  # guarded by cond: the bucket of lane i's pass, if any
+        self.load = [LaneLoad() for _ in self.lanes]  # guarded by cond: lane i's pace and idle share, for admission
         self.owner = {bucket: i for i, lane in enumerate(self.lanes) for bucket in lane}
         self.stopping = False  # guarded by cond
         self.threads = [
@@ -113,23 +115,37 @@ class Engine:
     def _admissible(self, ticket: Ticket) -> None:
         """Refuse a ticket whose lane would run it past its deadline: the rest of the pass running
         now, then every queued pass of the lane's buckets with this ticket among them, at the
-        sizes the lane will form them (Scheduler.work), as the latency profile times them. An
-        idle lane with nothing queued never refuses. Called under cond."""
+        sizes the lane will form them (Scheduler.work), each the profile's median at the lane's
+        recent pace, less what earlier lanes would take over once it falls behind
+        (handlers/admission.py). An idle lane with nothing queued never refuses. Called under cond."""
         if ticket.deadline is None:
             return
         bucket = ticket.item.bucket
         lane = self.owner.get(bucket, 0)
-        now = self.clock()
-        running = 0.0
-        if self.running[lane] is not None:
-            started, typical = self.passes[lane]
-            running = max(0.0, started + typical - now)
         if self.running[lane] is None and not any(self.scheduler.queues[b] for b in self.lanes[lane]):
             return
-        done = running + self.scheduler.work(self.lanes[lane], self.pass_seconds, joining=bucket)
+        now = self.clock()
+        own = self._ahead(lane, now, joining=bucket)
+        helpers = [(self._ahead(h, now), self.load[h].idle_share(now)) for h in range(lane)]
+        behind = BEHIND * self.load[lane].pace * (self.passes[lane][1] or self._median(bucket, 1))
+        done = finish_in(own, behind, helpers)
         if now + done > ticket.deadline:
             raise Overloaded(f"this worker has {done * 1000:.0f} ms of work ahead of this request with its own pass, "
                              f"more than its deadline allows: retry shortly", reason="deadline")
+
+    def _ahead(self, lane: int, now: float, joining: Bucket | None = None) -> float:
+        """Seconds of work lane `lane` has: the rest of its running pass and its queued passes
+        (with one more request `joining` a bucket), at the lane's pace. Called under cond."""
+        pace = self.load[lane].pace
+        running = 0.0
+        if self.running[lane] is not None:
+            started, typical = self.passes[lane]
+            running = max(0.0, started + typical * pace - now)
+        return running + pace * self.scheduler.work(self.lanes[lane], self._median, joining=joining)
+
+    def _median(self, bucket: Bucket, size: int) -> float:
+        """A pass's typical seconds by the profile (its p90 where only that is known, 0: unknown)."""
+        return self.typical_pass(size, bucket) or self.pass_seconds(bucket, size)
 
     def _lane(self, index: int, buckets: tuple[int, ...]) -> None:
         self.on_lane_start(index)
@@ -165,6 +181,10 @@ class Engine:
             self._run(expired, picked)
         finally:
             with self.cond:
+                if picked is not None:
+                    started, typical = self.passes[index]
+                    ended = self.clock()
+                    self.load[index].ran(ended - started, typical, ended, own=self.owner.get(self.running[index], 0) <= index)
                 self.running[index] = None
                 self.cond.notify_all()  # a lane waiting to help re-checks who is busy
 

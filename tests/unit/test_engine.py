@@ -544,16 +544,23 @@ def test_free_in_is_zero_when_the_profile_does_not_know_the_running_shape(make_e
     assert engine.free_in() == 0.0  # unknown: go back for arrivals after poll_ms, as without a profile
 
 
-def test_a_request_whose_lane_has_more_work_queued_than_its_deadline_allows_is_refused_at_once():
-    """Admission by deadline: what its lane has queued (in passes of each bucket's cap, the
-    profile's times) plus its own pass must end before the deadline; otherwise 503 now, not 504
-    after waiting. The other lane's requests are not refused for it."""
-    pass_s = {16: 0.010, 32: 0.010, 64: 0.010, 128: 0.100, 256: 0.100}
+@pytest.mark.parametrize("short_lane_busy, fits", [
+    (5.0, 8),  # the short lane busy with its own work throughout: no help, 8 passes of 125 ms
+    (1.0, 11),  # idle half the time: past 2 passes behind the queue drains at 1.5 lanes
+    (0.0, 14),  # idle: at 2 lanes (1.75 s of passes end at 1.0 s)
+])
+def test_a_request_whose_lane_has_more_work_queued_than_its_deadline_allows_is_refused_at_once(short_lane_busy, fits):
+    """Admission by deadline: what its lane has queued (the passes it will form, the profile's
+    times) plus its own pass must end before the deadline; otherwise 503 now, not 504 after
+    waiting. Past BEHIND passes queued the short lane helps as far as its own work leaves it idle,
+    and the estimate counts that. The other lane's requests are not refused for it."""
+    pass_s = {16: 0.010, 32: 0.010, 64: 0.010, 128: 0.125, 256: 0.125}
     scheduler = Scheduler(SchedulerPolicy(edges=EDGES, max_wait=0.5, queue_cap=1000, age_bound=10.0,
                                           priority_aging=0.0), lambda b: batch_cap(b, TOKENS))
     clock = lambda: 0.0  # noqa: E731 - the engine's lanes are not started: time stands still
     engine = Engine(scheduler, FakeIsolator(), split_lanes(EDGES, 128), deliver=lambda t, a: None,
                     clock=clock, pass_seconds=lambda bucket, size=None: pass_s[bucket])
+    engine.load[0].ran(short_lane_busy, 0.0, 0.0)  # the short lane's own passes, just ended
 
     def long_ticket():
         item = Item(index=0, text="long", length=250, bucket=256)
@@ -562,12 +569,50 @@ def test_a_request_whose_lane_has_more_work_queued_than_its_deadline_allows_is_r
     accepted = 0
     with pytest.raises(Overloaded, match="ms of work ahead") as refused:
         while accepted < 100:
-            engine.submit([long_ticket()])  # each adds a 100 ms pass (cap 1) to the long lane
+            engine.submit([long_ticket()])  # each adds a 125 ms pass (cap 1) to the long lane
             accepted += 1
-    assert accepted == 10 and refused.value.reason == "deadline"  # 9 ahead + its own = 1.0 s: the last that fits
+    assert accepted == fits and refused.value.reason == "deadline"
     engine.submit([Ticket(Item(index=0, text="short", length=10, bucket=16), 0.0, deadline=0.05)])
     engine.submit([Ticket(Item(index=0, text="no deadline", length=250, bucket=256), 0.0)])
-    assert len(scheduler) == 12
+    assert len(scheduler) == fits + 2
+
+
+def test_admission_charges_the_queue_at_the_pace_the_lane_runs_now():
+    """A queue is charged at the profile's medians (8 passes of 125 ms fit a 1 s deadline; at the
+    400 ms p90, 2 would), times the lane's pace: after passes that took twice their median, 4 fit."""
+    scheduler = Scheduler(SchedulerPolicy(edges=(256,), max_wait=0.5, queue_cap=1000, age_bound=10.0,
+                                          priority_aging=0.0), lambda b: 1)
+    engine = Engine(scheduler, FakeIsolator(), [(256,)], deliver=lambda t, a: None, clock=lambda: 0.0,
+                    pass_seconds=lambda bucket, size=None: 0.4, typical_pass=lambda size, bucket: 0.125)
+    for _ in range(8):  # at the profile's pace: none refused
+        engine.submit([Ticket(Item(index=0, text="long", length=250, bucket=256), 0.0, deadline=1.0)])
+    scheduler.queues[256].clear()
+    for _ in range(20):
+        engine.load[0].ran(0.25, 0.125, 0.0)  # the lane's passes now take twice their median
+    assert engine.load[0].pace == pytest.approx(2.0, rel=0.05)
+    accepted = 0
+    with pytest.raises(Overloaded):
+        while accepted < 100:
+            engine.submit([Ticket(Item(index=0, text="long", length=250, bucket=256), 0.0, deadline=1.0)])
+            accepted += 1
+    assert accepted == 4  # 4 x 0.125 x 1.99 = 0.99 s fits, a 5th would end at 1.24 s
+
+
+def test_a_lane_keeps_the_pace_of_the_passes_it_runs():
+    """After passes that took far less than the profile's median, the lane's pace falls (bounded):
+    the engine records every pass it runs, with the lane thread that ran it."""
+    isolator = FakeIsolator()
+    scheduler = Scheduler(SchedulerPolicy(edges=EDGES, max_wait=0.0, queue_cap=1000, age_bound=10.0,
+                                          priority_aging=0.0), lambda b: batch_cap(b, TOKENS))
+    engine = Engine(scheduler, isolator, [EDGES], deliver=lambda t, a: None,
+                    typical_pass=lambda size, bucket: 5.0).start()
+    try:
+        for _ in range(5):
+            engine.submit([ticket(16)])
+            assert _until(lambda: not len(scheduler) and not any(engine.busy))
+        assert _until(lambda: engine.load[0].pace < 0.75)  # 1 -> 0.5 by 0.2 a pass, 5 passes
+    finally:
+        engine.stop()
 
 
 def test_admission_counts_the_passes_the_lane_will_form_not_a_full_pass_per_bucket():
