@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -99,7 +100,11 @@ def main() -> None:
 def pooled(windows: list[dict]) -> dict:
     """Medians over the rounds' windows, and each round's short p99."""
     med = lambda key, kind: percentile([w[kind][key] for w in windows if w[kind][key] is not None], 50)  # noqa: E731
+    statuses = Counter()
+    for w in windows:
+        statuses.update({status: n for status, n in w["status"].items() if status != "200"})
     return {"sent": sum(w["sent"] for w in windows), "not_200": sum(w["sent"] - w["ok"] for w in windows),
+            "statuses": dict(sorted(statuses.items())),
             "short_p50": med("p50", "short"), "short_p99": med("p99", "short"),
             "short_p99_per_round": [w["short"]["p99"] for w in windows],
             "long_p50": med("p50", "long"), "long_p99": med("p99", "long"), "all_p99": med("p99", "all"),
@@ -119,7 +124,9 @@ def markdown(report: dict) -> str:
               "|---|---|---|---|---|---|---|---|---|---|"]
     for rate, arms in report["points"].items():
         for name, p in arms.items():
-            lines.append(f"| {rate} | {name} | {p['sent']} | {p['not_200']} | {p['short_p50']} | {p['short_p99']} | "
+            statuses = ", ".join(f"{status}: {n}" for status, n in p.get("statuses", {}).items())
+            lines.append(f"| {rate} | {name} | {p['sent']} | {p['not_200']}{f' ({statuses})' if statuses else ''} | "
+                         f"{p['short_p50']} | {p['short_p99']} | "
                          f"{p['short_p99_per_round']} | {p['long_p50']} | {p['long_p99']} | {p['all_p99']} |")
     lines += ["", "Where a short request's time went, median per round (ms; x-tsbatch-timing: wait in tsbatch's "
               "queue, pass, handler in all, and outside the handler: TorchServe's frontend, socket and reply):", ""]

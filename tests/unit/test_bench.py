@@ -138,3 +138,16 @@ def test_one_in_flight_never_sends_a_request_before_the_last_is_answered():
         assert state["most"] > 1  # the contrast: open loop does overlap them
     finally:
         server.shutdown()
+
+
+def test_compare_pools_every_status_but_200_across_rounds():
+    """bench/compare.py's rows say which statuses the not-200s were: 503 (refused at once) reads
+    differently from 504 (accepted, then past its deadline)."""
+    from bench.compare import markdown, pooled as pooled_rounds
+    window = {"sent": 10, "ok": 7, "status": {"200": 7, "503": 2, "504": 1}, "short": {"p50": 1.0, "p99": 2.0},
+              "long": {"p50": None, "p99": None}, "all": {"p99": 3.0}}
+    both = pooled_rounds([window, dict(window, status={"200": 7, "503": 3})])
+    assert both["not_200"] == 6 and both["statuses"] == {"503": 5, "504": 1}
+    report = {"started": "now", "machine": "here", "seconds": 20, "rounds": 2, "arms": {"after": "main"},
+              "points": {"14": {"after": both}}}
+    assert "| 14 | after | 20 | 6 (503: 5, 504: 1) |" in markdown(report)
