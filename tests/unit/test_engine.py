@@ -642,3 +642,68 @@ def test_admission_counts_the_passes_the_lane_will_form_not_a_full_pass_per_buck
     with pytest.raises(Overloaded, match="ms of work ahead") as refused:
         engine.submit([at(256)])
     assert refused.value.reason == "deadline" and "1010 ms" in str(refused.value)
+
+
+# -- wide passes: at light load a short pass runs on every lane's threads ------------------------
+
+class Widths:
+    """The Engine's on_width: records (lane, wide, calling thread) and checks no pass ran between."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, lane, wide):
+        self.calls.append((lane, wide, threading.current_thread().name))
+
+
+def wide_engine(make_engine, block):
+    widths = Widths()
+    timing = {"typical_pass": lambda size, bucket: 0.01, "pass_seconds": lambda bucket, size=None: 0.01,
+              "on_width": widths}
+    engine, isolator, deliveries = make_engine(FakeIsolator(block=block), lanes=split_lanes(EDGES, 128),
+                                               timing=timing, max_wait=0.0)
+    return engine, isolator, deliveries, widths
+
+
+def test_at_light_load_a_short_pass_runs_wide_and_nothing_starts_beside_it(make_engine):
+    """Nothing else running and no traffic to speak of: the short lane's pass gets every lane's
+    threads (set on its own thread, before the pass), and a long request that arrives meanwhile
+    starts only when the wide pass ends, on the long lane."""
+    engine, isolator, deliveries, widths = wide_engine(make_engine, block=(16,))
+    short = ticket(16)
+    engine.submit([short])
+    assert isolator.entered.wait(WAIT)
+    assert widths.calls == [(0, True, "tsbatch-lane-0")]
+    long = ticket(256)
+    engine.submit([long])
+    time.sleep(0.2)
+    assert len(isolator.calls) == 1 and deliveries.of(long) is None  # waits for the wide pass
+    isolator.release.set()
+    assert deliveries.wait_count(2)
+    assert isolator.threads == ["tsbatch-lane-0", "tsbatch-lane-1"]
+    engine.submit([ticket(16)])  # the long lane idle again, traffic still light: wide, no new call
+    assert deliveries.wait_count(3) and widths.calls == [(0, True, "tsbatch-lane-0")]
+
+
+def test_a_short_pass_beside_a_busy_long_lane_runs_on_its_own_threads(make_engine):
+    engine, isolator, deliveries, widths = wide_engine(make_engine, block=(256,))
+    engine.submit([ticket(256)])
+    assert isolator.entered.wait(WAIT)
+    short = ticket(16)
+    engine.submit([short])
+    assert deliveries.wait_ticket(short) is not None
+    assert widths.calls == []  # never widened: the long lane has its core
+
+
+def test_under_traffic_short_passes_stay_on_their_lane_and_a_wide_lane_narrows_again(make_engine):
+    """Arrivals a millisecond apart (passes of one take 10 ms): no pass runs wide; a lane that ran
+    wide before sets its own threads back before its next pass."""
+    engine, isolator, deliveries, widths = wide_engine(make_engine, block=())
+    engine.submit([ticket(16)])
+    assert deliveries.wait_count(1) and widths.calls == [(0, True, "tsbatch-lane-0")]
+    base = time.monotonic()
+    for i in range(8):  # the worker saw a request every millisecond
+        engine.scheduler.arrivals.arrived(base + i * 0.001)
+    engine.submit([ticket(16)])
+    assert deliveries.wait_count(2)
+    assert widths.calls == [(0, True, "tsbatch-lane-0"), (0, False, "tsbatch-lane-0")]
