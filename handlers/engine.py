@@ -6,11 +6,7 @@ passes run on lane threads, never on TorchServe's thread. With two lanes, short 
 buckets run on separate threads that share the cores (the long one at a lower OS priority), so a
 short request never waits for a long pass to end. The long lane also helps: with no long batch
 ready and the short lane busy, it runs the next short batch, so a short request that arrives
-during a short pass does not wait for that pass either. At light load (handlers/waiting.quiet)
-a short pass that starts while every other lane is idle runs on all the lanes' threads (`wide`),
-and the other lanes start nothing until it ends: a request then costs what the model costs on the
-whole machine, not on its lane's share, and a pass that starts beside a wide one would only
-oversubscribe the cores (a long request waits at most that one short pass). The short lane runs long batches only when
+during a short pass does not wait for that pass either. The short lane runs long batches only when
 the long lane falls behind (more than BEHIND of its passes queued): on this mix the long lane is
 what bounds a worker's throughput, and under sustained load the short lane's core would otherwise
 idle between short batches while long requests queue.
@@ -33,7 +29,6 @@ from tsbatch.handlers.buckets import Bucket, bucket_tokens
 from tsbatch.handlers.errors import DeadlineExceeded, ModelFailed, Overloaded, ServingError
 from tsbatch.handlers.isolate import Isolator
 from tsbatch.handlers.scheduler import Answer, Scheduler, Ticket
-from tsbatch.handlers.waiting import quiet
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +63,7 @@ class Engine:
                  on_batch: Callable[..., None] | None = None,
                  on_lane_start: Callable[[int], None] | None = None,
                  pass_seconds: Callable[..., float] | None = None,
-                 typical_pass: Callable[[int, int], float] | None = None,
-                 on_width: Callable[[int, bool], None] | None = None):
+                 typical_pass: Callable[[int, int], float] | None = None):
         self.scheduler = scheduler
         # (bucket, size=its cap) -> p90 seconds of that pass by the latency profile (0: unknown)
         self.pass_seconds = pass_seconds or (lambda bucket, size=None: 0.0)
@@ -80,16 +74,12 @@ class Engine:
         self.clock = clock
         self.on_batch = on_batch or (lambda *args: None)
         self.on_lane_start = on_lane_start or (lambda lane: None)
-        # on lane i's thread before a pass: run on every lane's threads (True) or its own; None: never wide
-        self.on_width = on_width
         self.cond = threading.Condition()
         self.lanes = [tuple(lane) for lane in lanes]
         # guarded by cond: when lane i's pass started and how long such a pass typically takes
         self.passes = [(0.0, 0.0)] * len(self.lanes)
         self.running: list[Bucket | None] = [None] * len(self.lanes)  # guarded by cond: the bucket of lane i's pass, if any
         self.load = [LaneLoad() for _ in self.lanes]  # guarded by cond: lane i's pace and idle share, for admission
-        self.wide = [False] * len(self.lanes)  # guarded by cond: lane i's pass runs on every lane's threads
-        self.width = [False] * len(self.lanes)  # lane i's threads as on_width last set them (its own thread's)
         self.owner = {bucket: i for i, lane in enumerate(self.lanes) for bucket in lane}
         self.stopping = False  # guarded by cond
         self.threads = [
@@ -170,39 +160,32 @@ class Engine:
         with self.cond:
             now = self.clock()
             expired = self.scheduler.expire(now, self.pass_seconds)
-            blocked = any(self.wide)  # another lane's pass has every core: start nothing beside it
-            picked = None if blocked else self.scheduler.next_batch(now, buckets, self._serving)
-            helped = () if blocked else self._helped(index)
+            picked = self.scheduler.next_batch(now, buckets, self._serving)
+            helped = self._helped(index)
             if picked is None and helped:
                 picked = self.scheduler.next_batch(now, helped, self._serving)
-            if picked is None and not blocked:
+            if picked is None:
                 behind = self._behind(index)
                 picked = self.scheduler.next_batch(now, behind) if behind else None
             if picked is None and not expired:
                 if self.stopping:
                     return
-                self.cond.wait(timeout=0.05 if blocked else  # the wide pass's end wakes it sooner
-                               self.scheduler.time_until_ready(now, buckets + helped, self.pass_seconds, self._serving))
+                self.cond.wait(timeout=self.scheduler.time_until_ready(now, buckets + helped, self.pass_seconds,
+                                                                       self._serving))
                 return
             if picked is not None:
                 self.running[index] = picked[0].bucket
-                self.wide[index] = self._widens(index, picked[0].bucket)
                 self.passes[index] = (now, self.typical_pass(picked[0].size, picked[0].bucket))
                 self.cond.notify_all()  # a later lane may now help with what this one leaves queued
         try:
-            if picked is not None and self.on_width is not None and self.wide[index] != self.width[index]:
-                self.on_width(index, self.wide[index])
-                self.width[index] = self.wide[index]
             self._run(expired, picked)
         finally:
             with self.cond:
                 if picked is not None:
                     started, typical = self.passes[index]
                     ended = self.clock()
-                    typical = 0.0 if self.wide[index] else typical  # the profile times a lane's own threads
                     self.load[index].ran(ended - started, typical, ended, own=self.owner.get(self.running[index], 0) <= index)
                 self.running[index] = None
-                self.wide[index] = False
                 self.cond.notify_all()  # a lane waiting to help re-checks who is busy
 
     @property
@@ -232,14 +215,6 @@ class Engine:
                     self.scheduler.backlog(self.lanes[i], self.pass_seconds) > BEHIND * typical:  # passes at cap
                 out += self.lanes[i]
         return out
-
-    def _widens(self, index: int, bucket: Bucket) -> bool:
-        """Whether lane `index`'s pass of `bucket` runs on every lane's threads: the first of
-        several lanes, its own bucket, every other lane idle, and traffic so light that passes of
-        one keep up easily (handlers/waiting.quiet). Called under cond."""
-        return (self.on_width is not None and index == 0 and len(self.lanes) > 1 and self.owner.get(bucket) == 0
-                and all(r is None for j, r in enumerate(self.running) if j != index)
-                and quiet(self.typical_pass(1, bucket), self.scheduler.arrivals))
 
     def _serving(self, bucket: Bucket) -> int:
         """How many lanes can run `bucket`'s passes now: its own lane and each later lane that is

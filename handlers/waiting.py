@@ -62,12 +62,6 @@ class Arrivals:
         return gaps[len(gaps) // 2]
 
 
-def quiet(alone: float, arrivals: Arrivals) -> bool:
-    """Passes of one (`alone` seconds each, 0: unknown) keep up easily with the worker's arrivals:
-    its lane would be idle more than half the time, and a newcomer rarely finds it busy."""
-    return 0 < alone < BUSY * arrivals.median_gap()
-
-
 def release_at(oldest: float, alone: float, arrivals: Arrivals, max_wait: float,
                company: Arrivals | None = None, lanes: int = 1) -> float:
     """When a bucket's batch stops holding for company (a time on the caller's clock), from when
@@ -76,9 +70,9 @@ def release_at(oldest: float, alone: float, arrivals: Arrivals, max_wait: float,
     if alone <= 0:
         return oldest + max_wait  # no profile: the configured wait
     alone /= max(1, lanes)
-    if quiet(alone, arrivals):
-        return oldest  # passes of one keep up easily: run at once
     gap = arrivals.median_gap()
+    if alone < BUSY * gap:
+        return oldest  # passes of one keep up easily: run at once
     if alone < FULL * gap and company is not None and company.median_gap() > max_wait:
         return oldest  # busy, but no company would come within the hold
     return oldest + max_wait  # fill batches

@@ -33,8 +33,7 @@ class ScheduledMode:
         socket_guard.install()
         self.engine = Engine(Scheduler(policy, worker.cap_for, worker.typical_pass), worker.isolator, [lane for lane, _ in lanes],
                              deliver=self.deliver, on_batch=self._on_batch, on_lane_start=self._on_lane_start,
-                             pass_seconds=worker.pass_seconds, typical_pass=worker.typical_pass,
-                             on_width=self._on_width if self._widens() else None).start()
+                             pass_seconds=worker.pass_seconds, typical_pass=worker.typical_pass).start()
 
     def close(self) -> None:
         self.engine.stop()
@@ -85,15 +84,4 @@ class ScheduledMode:
 
     def _on_lane_start(self, index: int) -> None:
         self.worker.model.use_threads(self.lanes[index][1], background=index > 0)
-
-    def _widens(self) -> bool:
-        """Wide passes (Engine) pay where a lane's share of the CPU's threads is what a pass runs on."""
-        cpu = str(self.worker.model.describe().get("device", "cpu")).startswith("cpu")
-        return cpu and sum(t for _, t in self.lanes) > self.lanes[0][1]
-
-    def _on_width(self, index: int, wide: bool) -> None:
-        """A lane's next pass runs on every lane's threads (a wide pass at light load, Engine) or
-        on its own again."""
-        self.worker.model.use_threads(sum(t for _, t in self.lanes) if wide else self.lanes[index][1],
-                                      background=index > 0)
 
