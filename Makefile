@@ -20,7 +20,7 @@ ARCHIVE_ARGS ?=
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 SERVE_ENV = TMPDIR=$(RUN_DIR)/tmp TEMP=$(RUN_DIR)/tmp LOG_LOCATION=$(RUN_DIR)/logs METRICS_LOCATION=$(RUN_DIR)/logs PATH=$(CURDIR)/$(VENV)/bin:$$PATH
 
-.PHONY: setup java archive serve stop test test-unit test-transformers4 test-wheel bench-generate bench-many bench-saturation bench bench-warmup bench-warmup-served bench-idle bench-workers soak chaos clean help
+.PHONY: setup java archive serve stop test test-unit test-transformers4 test-wheel bench-generate bench-many bench-saturation bench-frontend bench bench-warmup bench-warmup-served bench-idle bench-workers soak chaos clean help
 
 help:
 	@echo "make serve    set up, archive all-MiniLM-L6-v2 as '$(NAME)' and serve it on 127.0.0.1:8080-8082"
@@ -36,6 +36,7 @@ help:
 	@echo "make bench-generate asks for 8 tokens among asks for 256: the generation example vs TorchServe's batching"
 	@echo "make bench-many     32 texts as one request against 32 requests: time, padding, equal vectors"
 	@echo "make bench-saturation  where a saturated worker's time goes, against the model's in-process ceiling"
+	@echo "make bench-frontend  TorchServe's own settings (Netty threads, GC, access log) under a saturated worker"
 	@echo "make soak     50,000 requests through async mode; frontend memory at start and end"
 	@echo "make chaos    worker killed mid-batch and overload at 3x capacity (bench/results/chaos.*)"
 
@@ -106,6 +107,9 @@ bench: setup $(VENV)/.bench-tools
 
 bench-saturation: setup java $(VENV)/.bench-tools
 	$(PYTHON) bench/saturation.py $(BENCH_ARGS)
+
+bench-frontend: setup java
+	$(PYTHON) bench/frontend.py $(BENCH_ARGS)
 
 bench-warmup: setup
 	$(PYTHON) bench/warmup_bench.py $(BENCH_ARGS)

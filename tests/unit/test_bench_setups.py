@@ -3,8 +3,10 @@ benchmark's grid points, the shapes and texts the served warmup benchmark sends,
 report names."""
 from __future__ import annotations
 
+import os
 import zipfile
 
+import pytest
 import yaml
 
 from bench.loadtest import proc
@@ -60,3 +62,24 @@ def test_warmup_served_sends_every_warmed_shape_with_texts_of_exactly_the_bucket
 def test_a_report_names_every_argument_its_run_was_given():
     assert command_of([]) == "make bench"
     assert command_of(["--workload", "long", "--no-light"]) == "make bench BENCH_ARGS='--workload long --no-light'"
+
+
+def test_frontend_variants_keep_tsbatchs_log_config_and_turn_only_the_access_log_off(tmp_path):
+    """bench/frontend.py: a variant that sets vmargs replaces the shipped line (the last key wins),
+    so it must carry tsbatch's log4j2.xml itself; the quiet copy differs only in ACCESS_LOG."""
+    from bench.frontend import LOG4J, access_log_off, variants
+
+    named = variants(str(tmp_path))
+    assert named["shipped"] == ()
+    for name, lines in named.items():
+        for key, value, _ in lines:
+            if key == "vmargs":
+                path = value.split("-Dlog4j.configurationFile=file://")[1].split()[0]
+                assert os.path.exists(path), name
+    with open(LOG4J) as f:
+        shipped = f.read()
+    quiet = access_log_off(shipped)
+    assert '<Logger name="ACCESS_LOG" level="off"' in quiet
+    assert quiet.replace('name="ACCESS_LOG" level="off"', 'name="ACCESS_LOG" level="info"') == shipped
+    with pytest.raises(ValueError):
+        access_log_off("<Configuration/>")
