@@ -12,10 +12,10 @@ what bounds a worker's throughput, and under sustained load the short lane's cor
 idle between short batches while long requests queue.
 
 Deadlines are kept three times: a request whose lane has more work queued than its deadline
-allows is refused at once (503, `_admissible`, timed as handlers/admission.py says), a ticket whose pass could not end before its
-deadline (`pass_seconds`, from the latency profile) gets 504 instead of running, and a result that
-is ready only after the deadline is replaced by 504 as well, so no accepted request is ever
-answered late.
+allows is refused at once (503, `_admissible`, timed as handlers/admission.py says), a ticket
+whose pass could not end before its deadline (`pass_seconds`, from the latency profile) gets 504
+instead of running, and a result that is ready only after the deadline is replaced by 504 as
+well, so no accepted request is ever answered late.
 """
 from __future__ import annotations
 
@@ -184,7 +184,8 @@ class Engine:
                 if picked is not None:
                     started, typical = self.passes[index]
                     ended = self.clock()
-                    self.load[index].ran(ended - started, typical, ended, own=self.owner.get(self.running[index], 0) <= index)
+                    own = self.owner.get(self.running[index], 0) <= index  # not helping a later lane
+                    self.load[index].ran(ended - started, typical, ended, own=own)
                 self.running[index] = None
                 self.cond.notify_all()  # a lane waiting to help re-checks who is busy
 
