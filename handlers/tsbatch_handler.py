@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from dataclasses import replace
 
@@ -26,6 +27,12 @@ from tsbatch.handlers.siblings import Siblings, fit_threads, usable_cores
 from tsbatch.handlers.worker import Worker
 
 logger = logging.getLogger(__name__)
+
+# Python hands the GIL to a waiting thread after this long (its default: 5 ms). A lane's pass
+# gives the GIL up around every torch op and must get it back for the next one; with TorchServe's
+# protocol loop and the other lane holding it in pure Python, the default let a short pass wait up
+# to 5 ms at an op (measured: bench/results/gil-switch-*.md).
+LANE_SWITCH_INTERVAL_S = 0.0005
 
 
 class TsbatchHandler:
@@ -68,6 +75,8 @@ class TsbatchHandler:
             response_timeout=timeout if isinstance(timeout, int) and timeout > 1 else 120)
         mode = serving_mode(yaml_config)
         lanes = self._lanes() if mode != "default" else None
+        if lanes:  # before warmup, so the profile is measured as passes will run
+            sys.setswitchinterval(LANE_SWITCH_INTERVAL_S)
         if config.warmup:
             from tsbatch.handlers.warming import warm_up
 

@@ -154,3 +154,25 @@ def test_every_answer_that_ran_says_where_its_time_in_the_handler_went():
     assert all(t["wait"] >= 0 and t["pass"] >= 0 and t["handler"] >= t["wait"] + t["pass"] - 0.1 for t in timings)
     assert timings[1]["wait"] >= timings[0]["wait"]  # the long bucket ran after the short one
     assert TIMING_HEADER not in answers[2][2]  # refused before any pass: nothing to say
+
+
+def test_only_a_worker_with_lanes_hands_the_gil_over_sooner():
+    """Lanes release the GIL at every torch op and need it back for the next one: in the scheduler
+    modes the worker shortens Python's switch interval; default mode (no lanes) leaves it alone."""
+    import sys
+
+    from tsbatch.handlers.tsbatch_handler import LANE_SWITCH_INTERVAL_S
+
+    python_default = sys.getswitchinterval()
+    try:
+        handler, _ = load(warmup=False)
+        assert sys.getswitchinterval() == python_default
+        handler.close()
+        context = FakeContext({"buckets": [4, 16, 64], "warmup": False}, {"continuousBatching": True})
+        handler = WordHandler()
+        handler.initialize(context)
+        assert handler.mode is not None and sys.getswitchinterval() == pytest.approx(LANE_SWITCH_INTERVAL_S)
+        assert LANE_SWITCH_INTERVAL_S < python_default
+        handler.close()
+    finally:
+        sys.setswitchinterval(python_default)
