@@ -38,7 +38,8 @@ class Item:
 
 @dataclass(frozen=True)
 class Batch:
-    """Requests of one bucket that run as one forward pass, padded to `bucket`."""
+    """Requests that run as one forward pass, padded to `bucket`: its own requests and, where one
+    pass pays (handlers/merging.py), shorter buckets' of the same lane."""
 
     bucket: Bucket
     items: tuple[Item, ...]

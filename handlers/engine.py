@@ -160,13 +160,14 @@ class Engine:
         with self.cond:
             now = self.clock()
             expired = self.scheduler.expire(now, self.pass_seconds)
-            picked = self.scheduler.next_batch(now, buckets, self._serving)
+            merge = self._others_busy(index)
+            picked = self.scheduler.next_batch(now, buckets, self._serving, merge)
             helped = self._helped(index)
             if picked is None and helped:
-                picked = self.scheduler.next_batch(now, helped, self._serving)
+                picked = self.scheduler.next_batch(now, helped, self._serving, merge)
             if picked is None:
                 behind = self._behind(index)
-                picked = self.scheduler.next_batch(now, behind) if behind else None
+                picked = self.scheduler.next_batch(now, behind, merge=merge) if behind else None
             if picked is None and not expired:
                 if self.stopping:
                     return
@@ -225,6 +226,13 @@ class Engine:
         owner = self.owner.get(bucket, 0)
         mine = self.lanes[owner]
         return 1 + sum(1 for j in range(owner + 1, len(self.lanes)) if self.running[j] is None or self.running[j] in mine)
+
+    def _others_busy(self, index: int) -> bool:
+        """Whether every other lane is running a pass: only then may lane `index` merge buckets
+        into one pass (handlers/merging.py), which saves lane time but makes the shortest requests
+        wait for the longer ones; with a lane idle their passes would run side by side instead.
+        Called under cond."""
+        return all(bucket is not None for j, bucket in enumerate(self.running) if j != index)
 
     def _helped(self, index: int) -> tuple[int, ...]:
         """Buckets of earlier (shorter) lanes that are busy now: lane `index` may run their batches

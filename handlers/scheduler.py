@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterable, Protocol, Sequence
 
 from tsbatch.handlers.buckets import Batch, Bucket, Item, bucket_order, next_batch_size
 from tsbatch.handlers.errors import BadInput, Overloaded, ServingError
+from tsbatch.handlers.merging import merge_edge
 from tsbatch.handlers.waiting import Arrivals, release_at
 
 # bucket -> how many lanes can run its passes now (handlers/engine.py); None: one
@@ -187,19 +188,49 @@ class Scheduler:
         return release_at(oldest, self._pass_time(1, bucket), self.arrivals, self.policy.max_wait,
                           self.company[bucket], lanes(bucket) if lanes else 1)
 
-    def next_batch(self, now: float, buckets: Iterable[int] | None = None,
-                   lanes: Lanes = None) -> tuple[Batch, list[Ticket]] | None:
-        """The batch to run now among `buckets` (default all), with its tickets; None if none is ready."""
+    def next_batch(self, now: float, buckets: Iterable[int] | None = None, lanes: Lanes = None,
+                   merge: bool = True) -> tuple[Batch, list[Ticket]] | None:
+        """The batch to run now among `buckets` (default all), with its tickets; None if none is ready.
+        `merge`: whether one pass may take several of these buckets' requests where that pays
+        (False while another lane is idle: apart, the passes would run side by side)."""
         allowed = self.policy.edges if buckets is None else tuple(buckets)
         ready = [b for b in allowed if self.ready(b, now, lanes)]
         if not ready:
             return None
         bucket = min(ready, key=lambda b: self._rank(b, now))
-        aging = self.policy.priority_aging
-        queue = sorted(self.queues[bucket], key=lambda t: (t.effective_priority(now, aging), t.arrived))
+        queue = self._in_turn(bucket, now)
         chosen = queue[: next_batch_size(len(queue), self._cap_for(bucket))]
-        self.queues[bucket] = [t for t in self.queues[bucket] if t not in chosen]
-        return Batch(bucket, tuple(t.item for t in chosen)), chosen
+        edge = bucket
+        if merge:
+            edge, chosen = self._merged(bucket, chosen, queue[len(chosen):], allowed, now)
+        for ticket in chosen:
+            self.queues[ticket.item.bucket].remove(ticket)
+        return Batch(edge, tuple(t.item for t in chosen)), chosen
+
+    def _in_turn(self, bucket: Bucket, now: float) -> list[Ticket]:
+        aging = self.policy.priority_aging
+        return sorted(self.queues[bucket], key=lambda t: (t.effective_priority(now, aging), t.arrived))
+
+    def _merged(self, bucket: Bucket, chosen: list[Ticket], leftover: list[Ticket], allowed: Sequence[Bucket],
+                now: float) -> tuple[Bucket, list[Ticket]]:
+        """The picked batch, or one pass of a longer bucket of the same call's buckets (a lane's)
+        that also takes their waiting requests, where the profile says it pays (handlers/merging.py)
+        and every ticket in it can still meet its deadline."""
+        if self._pass_time is None or not isinstance(bucket, int):
+            return bucket, chosen
+        longer = sorted(b for b in allowed if isinstance(b, int) and b > bucket and self.queues[b])
+        if not longer:
+            return bucket, chosen
+        after = [(bucket, len(leftover))] + [(b, len(self.queues[b])) for b in longer]
+        merge = merge_edge((bucket, len(chosen)), after, self._cap_for, self._pass_time)
+        if merge is None:
+            return bucket, chosen
+        edge, size = merge
+        merged = (chosen + leftover + [t for b in longer if b <= edge for t in self._in_turn(b, now)])[:size]
+        end = now + self._pass_time(size, edge)
+        if any(t.deadline is not None and t.deadline < end for t in merged):
+            return bucket, chosen
+        return edge, merged
 
     def _rank(self, bucket: Bucket, now: float) -> tuple:
         queue = self.queues[bucket]

@@ -76,7 +76,9 @@ def test_requests_are_batched_by_length_and_a_poisoned_one_fails_alone(conv):
         assert got["label"] == want["label"]
         assert all(abs(got["scores"][k] - want["scores"][k]) < 1e-5 for k in want["scores"])
     padded = {name: int(shots[name].headers[PADDED_HEADER]) for name in ("short", "mid", "long")}
-    assert padded["short"] < padded["mid"] < padded["long"] <= 128  # each padded to its own bucket
+    # the long one (its own lane) padded nobody; short and mid may share a pass padded to mid's
+    # bucket while the long lane is busy, where the profile says one pass pays (handlers/merging.py)
+    assert padded["short"] <= padded["mid"] < padded["long"] <= 128
 
 
 def test_bad_input_gets_a_clear_json_error(conv):

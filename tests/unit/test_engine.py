@@ -642,3 +642,47 @@ def test_admission_counts_the_passes_the_lane_will_form_not_a_full_pass_per_buck
     with pytest.raises(Overloaded, match="ms of work ahead") as refused:
         engine.submit([at(256)])
     assert refused.value.reason == "deadline" and "1010 ms" in str(refused.value)
+
+
+# -- merged passes (handlers/merging.py) only while the other lanes are busy ----------------------
+
+def _merging_engine(isolator):
+    """Two lanes over a scheduler whose profile has a fixed cost per pass (10 ms plus 0.05 ms a
+    padded token): one pass of two short buckets' requests costs less than their two passes."""
+    profile = lambda size, bucket: 0.010 + 0.00005 * size * bucket  # noqa: E731
+    scheduler = Scheduler(policy(max_wait=0.0), lambda bucket: batch_cap(bucket, TOKENS), profile)
+    deliveries = Deliveries()
+    engine = Engine(scheduler, isolator, split_lanes(EDGES, 128), deliveries,
+                    typical_pass=profile, pass_seconds=lambda bucket, size=None: profile(size or 1, bucket)).start()
+    return engine, deliveries
+
+
+def test_with_the_long_lane_busy_the_short_lane_runs_two_buckets_as_one_pass():
+    isolator = FakeIsolator(block=(256,))
+    engine, deliveries = _merging_engine(isolator)
+    try:
+        engine.submit([ticket(256)])
+        assert isolator.entered.wait(WAIT), "the long lane never started its pass"
+        shorts = [ticket(16), ticket(32)]
+        engine.submit(shorts)  # queued together, under the engine's lock
+        assert deliveries.wait_count(2)
+        merged = isolator.calls[1]
+        assert (merged.bucket, merged.items) == (32, tuple(t.item for t in shorts))
+        assert deliveries.of(shorts[0]) == ({"text": shorts[0].item.text}, 2)
+    finally:
+        isolator.release.set()
+        engine.stop(WAIT)
+
+
+def test_with_the_long_lane_idle_two_buckets_run_as_their_own_passes_side_by_side():
+    isolator = FakeIsolator(block=(16,))
+    engine, deliveries = _merging_engine(isolator)
+    try:
+        shorts = [ticket(16), ticket(32)]
+        engine.submit(shorts)
+        assert deliveries.wait_ticket(shorts[1]) is not None  # the long lane ran it while 16 blocks
+        assert [(b.bucket, b.size) for b in isolator.calls] == [(16, 1), (32, 1)]
+        assert isolator.threads == ["tsbatch-lane-0", "tsbatch-lane-1"]
+    finally:
+        isolator.release.set()
+        engine.stop(WAIT)
