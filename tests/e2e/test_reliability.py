@@ -131,7 +131,11 @@ def test_a_request_is_answered_within_its_deadline_even_behind_huge_ones(torchse
         wait_busy([victim], cpu=0.2, timeout=60)
         small = load.send(url, b"a short request in a hurry", headers={"X-Deadline-Ms": "300"}, timeout=60).result(60)
         assert all(f.result(90).status == 200 for f in big)
-        assert small.status in (200, 504), small.body[:200]
+        # answered in time, or 504 on time, or refused at once (503 with Retry-After) when its lane is
+        # running a long pass it helps with (the long lane fell behind) that outlasts the deadline
+        assert small.status in (200, 503, 504), small.body[:200]
+        if small.status == 503:
+            assert small.headers.get("retry-after") and "deadline" in small.body.decode(), small.body[:200]
         assert small.latency <= 0.3 + 0.5, f"{small.status} after {small.latency:.2f}s with X-Deadline-Ms 300"
     finally:
         load.close(5)
