@@ -171,6 +171,16 @@ def next_batch_size(waiting: int, cap: int) -> int:
     return largest_power_of_two(max(1, min(waiting, cap)))
 
 
+def batch_sizes(count: int, cap: int) -> list[int]:
+    """The passes `count` waiting requests of one bucket run as, in order (next_batch_size each
+    time): 7 with cap 4 run as 4 + 2 + 1."""
+    sizes = []
+    while count > 0:
+        sizes.append(next_batch_size(count, cap))
+        count -= sizes[-1]
+    return sizes
+
+
 def plan_batches(items: Iterable[Item], cap_for: Callable[[Bucket], int]) -> list[Batch]:
     """Group items by bucket, shortest bucket first, arrival order inside; batch sizes are powers
     of two of at most cap_for(bucket)."""
@@ -180,10 +190,8 @@ def plan_batches(items: Iterable[Item], cap_for: Callable[[Bucket], int]) -> lis
     batches = []
     for bucket in sorted(by_bucket, key=bucket_order):
         group = by_bucket[bucket]
-        cap = max(1, cap_for(bucket))
         start = 0
-        while start < len(group):
-            size = next_batch_size(len(group) - start, cap)
+        for size in batch_sizes(len(group), cap_for(bucket)):
             batches.append(Batch(bucket, tuple(group[start : start + size])))
             start += size
     return batches

@@ -21,23 +21,32 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from tsbatch.handlers.buckets import next_batch_size
+from tsbatch.handlers.buckets import batch_sizes, next_batch_size
 
 PassTime = Callable[[int, int], float]  # (size, bucket) -> seconds by the profile, 0 where unknown
 
 
 def split_cost(bucket: int, count: int, cap: int, pass_time: PassTime) -> list[tuple[float, int]]:
-    """The passes `count` requests of a bucket take on their own (powers of two up to its cap), in
-    order, as (seconds, requests); an empty list when the profile does not know one of them."""
-    passes = []
-    while count > 0:
-        size = next_batch_size(count, cap)
-        seconds = pass_time(size, bucket)
-        if seconds <= 0:
-            return []
-        passes.append((seconds, size))
-        count -= size
-    return passes
+    """The passes `count` requests of a bucket take on their own (batch_sizes), in order, as
+    (seconds, requests); an empty list when the profile does not know one of them."""
+    passes = [(pass_time(size, bucket), size) for size in batch_sizes(count, cap)]
+    return passes if all(seconds > 0 for seconds, _ in passes) else []
+
+
+def _apart(alone: float, size: int, groups: Sequence[tuple[int, int]], cap_for: Callable[[int], int],
+           pass_time: PassTime) -> tuple[float, float] | None:
+    """The picked pass (`size` requests, `alone` seconds), then each group's (bucket, requests)
+    own passes one after another: when the last ends and the requests' summed completion times.
+    None when the profile does not know one of those passes."""
+    clock, summed = alone, size * alone
+    for group, count in groups:
+        passes = split_cost(group, count, cap_for(group), pass_time)
+        if count and not passes:
+            return None
+        for seconds, requests in passes:
+            clock += seconds
+            summed += requests * clock
+    return clock, summed
 
 
 def merge_edge(own: tuple[int, int], after: Sequence[tuple[int, int]], cap_for: Callable[[int], int],
@@ -52,23 +61,24 @@ def merge_edge(own: tuple[int, int], after: Sequence[tuple[int, int]], cap_for: 
     if alone <= 0:
         return None
     best, best_saving = None, 0.0
+    before = size + after[0][1]  # requests ahead of the first longer bucket
     for last in range(1, len(after)):
-        edge = after[last][0]
-        batch = next_batch_size(size + sum(count for _, count in after[: last + 1]), cap_for(edge))
-        if size + sum(count for _, count in after[:last]) >= batch:
-            continue  # the batch (a power of two) fills before this bucket: a shorter edge holds it
+        edge, count = after[last]
+        batch = next_batch_size(before + count, cap_for(edge))
+        reaches = batch > before  # a power of two that fills before this bucket: a shorter edge holds it
+        before += count
         merged = pass_time(batch, edge)
-        clock, apart_sum, left = alone, size * alone, batch - size
-        for group, count in after[: last + 1]:  # apart: each group's share in its own passes, in order
-            passes = split_cost(group, min(count, left), cap_for(group), pass_time)
-            if not passes and min(count, left) > 0:
-                clock = 0.0
-                break
-            for seconds, requests in passes:
-                clock += seconds
-                apart_sum += requests * clock
-            left -= min(count, left)
-        saving = apart_sum - batch * merged
-        if merged > 0 and merged < clock and saving > best_saving:
+        if not reaches or merged <= 0:
+            continue
+        left, taken = batch - size, []
+        for group, waiting in after[: last + 1]:  # the requests the merged pass takes, by group
+            taken.append((group, min(waiting, left)))
+            left -= taken[-1][1]
+        apart = _apart(alone, size, taken, cap_for, pass_time)
+        if apart is None:
+            continue
+        end, summed = apart
+        saving = summed - batch * merged
+        if merged < end and saving > best_saving:
             best, best_saving = (edge, batch), saving
     return best

@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Protocol, Sequence
 
-from tsbatch.handlers.buckets import Batch, Bucket, Item, bucket_order, next_batch_size
+from tsbatch.handlers.buckets import Batch, Bucket, Item, batch_sizes, bucket_order, next_batch_size
 from tsbatch.handlers.errors import BadInput, Overloaded, ServingError
 from tsbatch.handlers.merging import merge_edge
 from tsbatch.handlers.waiting import Arrivals, release_at
@@ -149,14 +149,8 @@ class Scheduler:
         run: each bucket's requests in the passes a lane forms (next_batch_size: powers of two up
         to the cap), each as long as `pass_seconds(bucket, size)` says for its size. Unlike
         backlog, a bucket with one request waiting costs a pass of one, not a pass at its cap."""
-        total = 0.0
-        for bucket in buckets:
-            waiting = len(self.queues[bucket]) + (bucket == joining)
-            while waiting > 0:
-                size = next_batch_size(waiting, self._cap_for(bucket))
-                total += pass_seconds(bucket, size)
-                waiting -= size
-        return total
+        return sum(pass_seconds(bucket, size) for bucket in buckets
+                   for size in batch_sizes(len(self.queues[bucket]) + (bucket == joining), self._cap_for(bucket)))
 
     def expire(self, now: float, lead: Callable[[int], float] | None = None) -> list[Ticket]:
         """Remove and return every ticket that cannot finish by its deadline: `lead(bucket)` is
