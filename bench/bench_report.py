@@ -66,7 +66,7 @@ def markdown(report: dict, labels: dict[str, str]) -> str:
                   "(tokens, not requests: an arm that refuses long requests under overload answers more of them): "
                   + "; ".join(f"{arm} {efficiency(data, report['machine_limit'])}" for arm, data in report["arms"].items())]
         limit = report["machine_limit"]
-        lines += ["", f"Machine limit in process (bench/saturation.py `ceilings`), measured right after the sweep, "
+        lines += ["", f"Machine limit in process (bench/ceilings.py), measured right after the sweep, "
                   f"at {limit['shapes']}: {limit['real_tokens_per_s']} real tokens/s; serving efficiency (best "
                   f"served tokens/s ÷ that): {report['efficiency']}. The same limit measured at the end of the run: "
                   f"{report.get('machine_limit_at_end', {}).get('real_tokens_per_s')} real tokens/s. "

@@ -49,7 +49,7 @@ from bench.loadtest.workload import WORKLOADS, histogram, token_counter, workloa
 from bench import light  # noqa: E402
 from bench.compare import build as tsbatch_archive  # noqa: E402
 from bench.bench_report import markdown, plot  # noqa: E402
-from bench.saturation import ceilings  # noqa: E402
+from bench.ceilings import ceilings  # noqa: E402
 
 FRONTEND = {"batchSize": 8, "maxBatchDelay": 10, "minWorkers": 1, "maxWorkers": 1, "responseTimeout": 120,
             "startupTimeout": 900,  # every arm warms at once on a small machine

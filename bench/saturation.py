@@ -4,7 +4,8 @@ In one run, on the mix `make bench` sends:
 1. The in-process ceilings (no HTTP, no TorchServe, the archive's torch threads or every core, passes back to back, the same
    texts): every text sorted by length and batched under a 4,096-token padded budget (the best
    this model does on this machine), and the served archive's own shapes (its bucket edges and
-   batch caps, plan_batches): the honest ceiling for what the archive may form.
+   batch caps, plan_batches): the honest ceiling for what the archive may form; and the sorted one
+   again with the model eager, untraced (bench/ceilings.py).
 2. The archive `tsbatch archive` builds (tuned, as `make serve` serves it), one worker, sent
    open-loop Poisson traffic above what it answers: CPU seconds of every process (TorchServe's
    Java frontend, the worker, this client) and of each worker thread (/proc), the machine's cores by
@@ -24,7 +25,6 @@ import sys
 import tempfile
 import time
 import zipfile
-from dataclasses import replace
 from typing import Iterator
 
 import yaml
@@ -34,6 +34,7 @@ sys.path.insert(0, REPO)
 
 from tsbatch.archiver import server  # noqa: E402
 from bench.loadtest import report as reports  # noqa: E402
+from bench.ceilings import THREADS, ceilings  # noqa: E402
 from bench.loadtest.arrivals import poisson_arrivals  # noqa: E402
 from bench.loadtest.load import run_open_loop  # noqa: E402
 from bench.loadtest.proc import cpu_seconds, machine_cpu, threads_cpu  # noqa: E402
@@ -42,8 +43,6 @@ from bench.loadtest.torchserve import worker_pids  # noqa: E402
 from bench.loadtest.workload import Mix, make_requests  # noqa: E402
 
 NAME = "minilm"
-BUDGET = 4096  # padded tokens per pass of the sorted ceiling
-THREADS = len(os.sched_getaffinity(0))  # torch threads of the ceilings unless the archive sets its own
 # what a worker thread's sample is doing, from its innermost frame ("path:function") that names it
 CATEGORIES = (
     ("forward pass", ("torch/nn/", "modeling_bert", "runner.py:forward", "runner.py:_embeddings")),
@@ -55,52 +54,6 @@ CATEGORIES = (
                                                                     "otf_message_handler.py:_retrieve")),
     ("TorchServe protocol (reply, socket write)", ("otf_message_handler.py", "socket.py", "model_service_worker.py")),
 )
-
-
-def ceilings(model_dir: str, section: dict, texts: list[str], seconds: float, eager: bool = False) -> dict:
-    """Requests/s and real tokens/s of the model alone, at two sets of shapes (see the module doc);
-    `eager`: the sorted shapes also on the model as Hugging Face runs it, without the trace the
-    worker runs (what an outside in-process measurement of the model would use)."""
-    from tsbatch.handlers.buckets import Batch, Item, bucket_for, plan_batches
-    from tsbatch.handlers.config import HandlerConfig
-    from tsbatch.handlers.runner import EncoderModel
-
-    config = HandlerConfig.from_yaml({**section, "torch_threads": section.get("torch_threads") or THREADS})
-    runner = EncoderModel(config, model_dir)
-    edges = config.edges_for(runner.max_length)
-    items = []
-    for i, text in enumerate(texts):
-        tokens, enc = runner.tokenize(text)
-        items.append(Item(i, text, tokens, bucket_for(tokens, edges), enc))
-    ordered, sorted_batches, group = sorted(items, key=lambda it: it.length), [], []
-    for item in ordered:
-        if group and item.length * (len(group) + 1) > BUDGET:
-            sorted_batches.append(Batch(group[-1].length, tuple(group)))
-            group = []
-        group.append(item)
-    sorted_batches.append(Batch(group[-1].length, tuple(group)))
-    shapes = {"sorted": (runner, sorted_batches), "served": (runner, plan_batches(items, config.batch_limit))}
-    if eager and runner.traced is not None:
-        shapes["sorted_eager"] = (EncoderModel(replace(config, trace=False), model_dir), sorted_batches)
-    out = {}
-    for name, (runner, batches) in shapes.items():
-        runner.forward(batches[0])
-        done, real, start = 0, 0, time.perf_counter()
-        while time.perf_counter() - start < seconds:
-            for batch in batches:
-                runner.forward(batch)
-                done, real = done + batch.size, real + batch.real_tokens
-        elapsed = time.perf_counter() - start
-        padded = sum(b.padded_tokens for b in batches)
-        out[name] = {"req_per_s": round(done / elapsed, 1), "real_tokens_per_s": round(real / elapsed, 1),
-                     "passes": len(batches), "padding": round(1 - sum(b.real_tokens for b in batches) / padded, 3)}
-    out["sorted"]["shapes"] = f"sorted by length, up to {BUDGET} padded tokens a pass"
-    out["served"]["shapes"] = "the archive's bucket edges and batch caps (plan_batches)"
-    if "sorted_eager" in out:
-        out["sorted"]["shapes"] += " (the traced model, as the worker runs it)"
-        out["sorted_eager"]["shapes"] = "sorted as above, the model eager (no trace)"
-    return out
-
 
 
 def thread_names(pid: int, py_spy: str) -> dict[int, str]:
@@ -239,8 +192,7 @@ def markdown(report: dict) -> str:
               f"{u['summary']['long']['p50']}/{u['summary']['long']['p99']} ms.",
               f"Served ÷ sorted ceiling: **{report['served_over_sorted']}**; served ÷ the archive's own shapes in process: "
               f"**{report['served_over_shapes']}**"
-              + (f"; served ÷ the sorted ceiling of the model eager: **{report['served_over_sorted_eager']}**"
-                 if "served_over_sorted_eager" in report else "") + ".", "",
+              + (f"; ÷ sorted, the model eager: **{report.get('served_over_sorted_eager')}**" * ("sorted_eager" in c)) + ".", "",
               f"The same window again with the samplers below attached: answered {o['answered_per_s']} req/s "
               f"({s['sent'] - s['ok']} not 200). Everything below is from that window.", "",
               f"Cores busy over the window (CPU seconds per second, of {THREADS}):", ""]
@@ -297,10 +249,9 @@ def main() -> int:
         worker = worker_pids(served.management, NAME)[0]
         report["overload"] = overload(url, worker, server.running_pid(served.paths), args.rate, args.seconds, py_spy, root)
     answered = report["overload"]["unprofiled"]["answered_per_s"]
-    report["served_over_sorted"] = round(answered / report["ceilings"]["sorted"]["req_per_s"], 3)
-    report["served_over_shapes"] = round(answered / report["ceilings"]["served"]["req_per_s"], 3)
-    if "sorted_eager" in report["ceilings"]:
-        report["served_over_sorted_eager"] = round(answered / report["ceilings"]["sorted_eager"]["req_per_s"], 3)
+    for name, key in (("sorted", "served_over_sorted"), ("served", "served_over_shapes"), ("sorted_eager", "served_over_sorted_eager")):
+        if name in report["ceilings"]:
+            report[key] = round(answered / report["ceilings"][name]["req_per_s"], 3)
     report["per_core"] = per_core(report)
     reports.write(args.out, report, markdown(report))
     print(markdown(report))
