@@ -92,7 +92,8 @@ class HandlerConfig:
     warmup_max_repeats: int = 6
     compile: bool = False
     # the built-in encoder runs a TorchScript trace of the model (the same kernels without Python's
-    # per-module work: ~2.5 ms less a pass on one CPU thread), kept only if it answers exactly as eager
+    # per-module work: 2-3 ms of a pass of one short text on one CPU thread), kept only if it
+    # answers exactly as eager
     trace: bool = True
     # per worker: a fraction of the device (0 < f <= 1) or bytes; enforced on CUDA only (handlers/memory.py)
     memory_budget: float | int | None = None

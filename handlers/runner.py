@@ -298,8 +298,8 @@ class EncoderModel(Model):
 
 class _Traced:
     """The model as a TorchScript trace. A pass of a few short texts is mostly Python's work per
-    module (hooks, dispatch: ~2.5 ms of a 9 ms pass of one text on one thread); the trace replays
-    the same aten kernels without it, so it returns the same bits."""
+    module (hooks, dispatch: 2-3 ms of an 11 ms pass of one short text on one thread,
+    bench/results/traced.md); the trace replays the same aten kernels without it: the same bits."""
 
     def __init__(self, model: torch.nn.Module, example: dict[str, torch.Tensor]):
         self.keys = tuple(example)  # the tokenizer's features: the same keys in every batch
