@@ -119,16 +119,17 @@ class EncoderModel(Model):
 
     def _trace(self) -> "_Traced | None":
         """The model traced, kept only if it answers exactly as eager: on the padded batch it was
-        traced with and on one of another shape. A model the tracer cannot follow runs eager."""
+        traced with, on one of another shape and on one at the longest input (a branch on length
+        would show there). A model the tracer cannot follow runs eager."""
         def probe(lengths: Sequence[int]) -> dict[str, torch.Tensor]:
             lengths = [max(2, min(n, self.max_length)) for n in lengths]
             return self._collate([self.example(n) for n in lengths], max(lengths))
 
-        traced_on, checked_on = probe([6, 3]), probe([11, 4, 2])
+        traced_on, checked_on = probe([6, 3]), (probe([11, 4, 2]), probe([self.max_length, 5]))
         try:
             traced = _Traced(self.model, traced_on)
             with torch.inference_mode():
-                same = all(torch.equal(traced(inputs), self.model(**inputs)[0]) for inputs in (traced_on, checked_on))
+                same = all(torch.equal(traced(inputs), self.model(**inputs)[0]) for inputs in (traced_on, *checked_on))
         except Exception as error:  # noqa: BLE001 - whatever the tracer cannot follow runs eager
             logger.info("tsbatch: the model runs eager, tracing failed: %s", error)
             return None

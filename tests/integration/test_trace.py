@@ -67,3 +67,22 @@ def test_a_model_the_tracer_cannot_follow_runs_eager(minilm_dir, monkeypatch, ca
     example = model.example(8)
     (result,) = model.forward(Batch(8, (Item(0, "", 8, 8, example),)))
     assert len(result["embedding"]) == 384
+
+
+def test_a_model_that_branches_on_length_runs_eager(minilm_dir, monkeypatch, caplog):
+    """A trace keeps the branch its short example took; the check at the longest input finds it."""
+    from transformers.models.bert import modeling_bert
+
+    plain = modeling_bert.BertModel.forward
+
+    def branching(self, *args, **kwargs):
+        out = plain(self, *args, **kwargs)
+        if kwargs["input_ids"].shape[1] > 64:
+            out.last_hidden_state = out.last_hidden_state + 1
+        return out
+
+    monkeypatch.setattr(modeling_bert.BertModel, "forward", branching)
+    with caplog.at_level(logging.INFO, logger=runner.logger.name):
+        model = runner.EncoderModel(HandlerConfig(task=Task.EMBEDDING), minilm_dir)
+    assert model.traced is None
+    assert "answered differently" in caplog.text
