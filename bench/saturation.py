@@ -191,8 +191,8 @@ def markdown(report: dict) -> str:
               f"short p50/p99 {u['summary']['short']['p50']}/{u['summary']['short']['p99']} ms, long p50/p99 "
               f"{u['summary']['long']['p50']}/{u['summary']['long']['p99']} ms.",
               f"Served ÷ sorted ceiling: **{report['served_over_sorted']}**; served ÷ the archive's own shapes in process: "
-              f"**{report['served_over_shapes']}**"
-              + (f"; ÷ sorted, the model eager: **{report.get('served_over_sorted_eager')}**" * ("sorted_eager" in c)) + ".", "",
+              f"**{report['served_over_shapes']}**" + (f"; ÷ sorted, the model eager: **{report['served_over_sorted_eager']}**."
+                                                       if "sorted_eager" in c else "."), "",
               f"The same window again with the samplers below attached: answered {o['answered_per_s']} req/s "
               f"({s['sent'] - s['ok']} not 200). Everything below is from that window.", "",
               f"Cores busy over the window (CPU seconds per second, of {THREADS}):", ""]

@@ -25,14 +25,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--out", default=os.path.join(reports.RESULTS, "traced"))
     args = parser.parse_args()
-    import torch
-
     from tsbatch.archiver.cli import default_model_dir
     from tsbatch.handlers.config import HandlerConfig, Task
     from tsbatch.handlers.warming import example_batch
     from tsbatch.handlers.runner import EncoderModel
 
-    torch.set_num_threads(1)
     models = {trace: EncoderModel(HandlerConfig(task=Task.EMBEDDING, torch_threads=1, trace=trace), default_model_dir())
               for trace in (False, True)}
     assert models[True].traced is not None, "the default model did not trace"
