@@ -1,0 +1,350 @@
+"""The generation scheduler's rules, one step at a time, with time passed in (a fake clock)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tsbatch.handlers.errors import (BadInput, ConfigError, DeadlineExceeded, ModelFailed, OutOfMemory,
+                                     Overloaded)
+from tsbatch.handlers.generation_scheduler import (GenerationPolicy, GenerationRequest, GenerationScheduler,
+                                                   Priority, Seq, Status, StepOutcome, StepPlan)
+
+pytestmark = pytest.mark.unit
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class Clock:
+    """A fake clock the tests move by hand."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def tick(self, seconds: float = 0.01) -> float:
+        self.now += seconds
+        return self.now
+
+
+def policy(**overrides) -> GenerationPolicy:
+    values = dict(token_budget=64, kv_bound=1000, max_running=8, queue_cap=16)
+    values.update(overrides)
+    return GenerationPolicy(**values)
+
+
+def ask(rid: str, prompt: int = 4, new: int = 8, at: float = 0.0, priority: Priority = Priority.NORMAL,
+        deadline: float | None = None) -> GenerationRequest:
+    return GenerationRequest(rid, tuple(range(1, prompt + 1)), new, at, priority, deadline)
+
+
+def ran(plan: StepPlan, token: int = 7, eos=(), failed=None) -> StepOutcome:
+    """Every sequence of the plan made `token`, except those in `eos` (ended) and `failed`."""
+    failed = failed or {}
+    return StepOutcome(tokens={s: token for s in plan.runs if s not in failed}, eos=frozenset(eos), failed=failed)
+
+
+def rids(seqs) -> list[str]:
+    return [s.rid for s in seqs]
+
+
+def step(scheduler: GenerationScheduler, clock: Clock, **outcome) -> tuple[StepPlan, list[Seq]]:
+    plan = scheduler.schedule(clock.tick())
+    return plan, scheduler.finished(plan, ran(plan, **outcome), clock.tick())
+
+
+def test_the_module_imports_neither_torch_nor_torchserve():
+    probe = ("import json, sys; import tsbatch.handlers.generation_scheduler; "
+             "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'ts'))))")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, env={**os.environ, "PYTHONPATH": REPO},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == []
+
+
+def test_waiting_requests_join_in_turn_and_running_ones_decode_every_step():
+    clock, s = Clock(), GenerationScheduler(policy())
+    s.submit(ask("a", prompt=3, at=0.0))
+    plan = s.schedule(clock.tick())
+    assert rids(plan.prefill) == ["a"] and plan.decode == () and plan.tokens == 3 and plan.kv_tokens == 3
+    s.finished(plan, ran(plan), clock.tick())
+    assert s.kv_in_use == 3  # its prompt is cached; its first token is fed next step
+    s.submit(ask("b", prompt=5, at=clock.now))
+    plan = s.schedule(clock.tick())
+    assert rids(plan.decode) == ["a"] and rids(plan.prefill) == ["b"]
+    assert plan.tokens == 1 + 5  # a decode feeds one token, a prefill its whole prompt
+    assert plan.kv_tokens == (3 + 1) + 5
+
+
+def test_prefills_stop_at_the_token_budget_but_one_prefill_may_exceed_it():
+    clock, s = Clock(), GenerationScheduler(policy(token_budget=8, max_running=4))
+    for i, prompt in enumerate((20, 3)):
+        s.submit(ask(f"r{i}", prompt=prompt, at=i * 0.001))
+    plan = s.schedule(clock.tick())
+    assert rids(plan.prefill) == ["r0"]  # alone past the budget, else it could never run
+    s.finished(plan, ran(plan), clock.tick())
+    s.submit(ask("r2", prompt=5, at=clock.now))
+    plan = s.schedule(clock.tick())
+    assert rids(plan.decode) == ["r0"] and rids(plan.prefill) == ["r1"]  # 1 + 3 fits, + 5 would not
+    assert plan.tokens == 4
+
+
+def test_joining_stops_at_the_kv_bound_and_a_smaller_later_request_does_not_pass():
+    clock, s = Clock(), GenerationScheduler(policy(kv_bound=30))
+    s.submit(ask("big", prompt=12, new=8, at=0.0))
+    s.submit(ask("next", prompt=20, new=8, at=0.001))
+    s.submit(ask("small", prompt=2, new=2, at=0.002))
+    plan = s.schedule(clock.tick())
+    assert rids(plan.prefill) == ["big"] and plan.kv_tokens == 12  # next would make 32; small may not pass it
+    s.finished(plan, ran(plan, eos=plan.prefill), clock.tick())
+    plan = s.schedule(clock.tick())
+    assert rids(plan.prefill) == ["next", "small"] and plan.kv_tokens == 22
+
+
+def test_seats_are_bounded_by_max_running():
+    clock, s = Clock(), GenerationScheduler(policy(max_running=2))
+    for i in range(3):
+        s.submit(ask(f"r{i}", at=i * 0.001))
+    plan = s.schedule(clock.tick())
+    assert rids(plan.prefill) == ["r0", "r1"]
+    assert rids(s.waiting) == ["r2"]
+
+
+def test_a_sequence_leaves_at_end_of_sequence_or_max_new_tokens_and_the_rest_go_on():
+    clock, s = Clock(), GenerationScheduler(policy())
+    s.submit(ask("stops", new=5, at=0.0))
+    s.submit(ask("short", new=2, at=0.001))
+    s.submit(ask("long", new=5, at=0.002))
+    plan, ended = step(s, clock)
+    assert ended == [] and all(x.first_token_at == clock.now for x in plan.runs)
+    stops = plan.prefill[0]
+    plan, ended = step(s, clock, eos=[stops])
+    assert rids(ended) == ["stops", "short"]
+    assert stops.stop == "eos" and stops.tokens == [7]  # the end-of-sequence token is not part of the answer
+    assert ended[1].stop == "length" and ended[1].tokens == [7, 7]
+    assert all(x.status is Status.FINISHED and x.ended_at == clock.now for x in ended)
+    plan = s.schedule(clock.tick())
+    assert rids(plan.decode) == ["long"]  # their seats and KV are free at once
+    assert plan.kv_tokens == 4 + 2
+
+
+def test_a_sequence_whose_step_failed_ends_alone():
+    clock, s = Clock(), GenerationScheduler(policy())
+    for rid in ("a", "b", "c"):
+        s.submit(ask(rid))
+    plan = s.schedule(clock.tick())
+    b = plan.prefill[1]
+    ended = s.finished(plan, ran(plan, failed={b: ModelFailed("boom")}), clock.tick())
+    assert ended == [b] and b.status is Status.FAILED and b.error.status == 500 and b.tokens == []
+    plan = s.schedule(clock.tick())
+    assert rids(plan.decode) == ["a", "c"]
+
+
+def test_an_outcome_that_forgets_a_sequence_is_an_error_that_names_it():
+    clock, s = Clock(), GenerationScheduler(policy())
+    s.submit(ask("a"))
+    s.submit(ask("b"))
+    plan = s.schedule(clock.tick())
+    with pytest.raises(RuntimeError, match="1 of its 2 sequences .first: b"):
+        s.finished(plan, StepOutcome(tokens={plan.prefill[0]: 1}), clock.tick())
+
+
+def test_growth_past_the_bound_preempts_the_lowest_class_then_the_youngest_and_recomputes_it_later():
+    clock, s = Clock(), GenerationScheduler(policy(kv_bound=40))
+    s.submit(ask("old-low", prompt=6, new=20, at=0.0, priority=Priority.LOW))
+    s.submit(ask("normal", prompt=6, new=20, at=0.001))
+    s.submit(ask("young-low", prompt=6, new=20, at=0.002, priority=Priority.LOW))
+    plan, _ = step(s, clock)  # 18 live
+    for _ in range(7):  # each step adds 3: the 9th would need 42
+        plan, _ = step(s, clock)
+    plan = s.schedule(clock.tick())
+    assert rids(plan.preempted) == ["young-low"] and rids(plan.decode) == ["normal", "old-low"]
+    assert plan.kv_tokens <= 40
+    young = plan.preempted[0]
+    assert young.status is Status.WAITING and young.preemptions == 1 and s.preemptions == 1
+    assert len(young.tokens) == 8  # what it made is kept: it is recomputed, not restarted
+    s.finished(plan, ran(plan), clock.tick())
+    # once a seat's worth of KV is free it is prefilled again over its prompt and its tokens
+    s.cancel(next(x for x in s.running if x.rid == "normal"), clock.tick())
+    plan = s.schedule(clock.tick())
+    assert rids(plan.prefill) == ["young-low"] and young.context == 6 + 8
+    assert plan.tokens == 1 + 14
+
+
+def test_out_of_memory_learns_a_lower_bound_sends_joiners_back_and_the_next_plan_preempts():
+    clock, s = Clock(), GenerationScheduler(policy(kv_bound=1000))
+    s.submit(ask("a", prompt=10, new=50, at=0.0))
+    s.submit(ask("b", prompt=10, new=50, at=0.001))
+    step(s, clock)
+    s.submit(ask("c", prompt=10, new=50, at=clock.now))
+    plan = s.schedule(clock.tick())
+    assert rids(plan.decode) == ["a", "b"] and rids(plan.prefill) == ["c"] and plan.kv_tokens == 32
+    assert s.finished(plan, StepOutcome(out_of_memory=True), clock.tick()) == []
+    assert s.kv_bound == 28 and s.out_of_memory_steps == 1  # 0.9 of the failed step's 32
+    c = plan.prefill[0]
+    assert c.status is Status.WAITING and c.preemptions == 0 and c.tokens == []
+    assert [len(x.tokens) for x in plan.decode] == [1, 1]  # nothing advanced
+    plan = s.schedule(clock.tick())
+    assert rids(plan.decode) == ["a", "b"] and plan.prefill == ()  # 22 live; c (10) waits
+    s.finished(plan, StepOutcome(out_of_memory=True), clock.tick())
+    assert s.kv_bound == 19  # only ever down
+    plan = s.schedule(clock.tick())
+    assert rids(plan.preempted) == ["b"] and rids(plan.decode) == ["a"]  # the youngest goes
+    s.finished(plan, ran(plan), clock.tick())
+    assert s.kv_bound == 19
+
+
+def test_a_sequence_preempted_in_a_step_does_not_rejoin_in_that_same_step():
+    clock, s = Clock(), GenerationScheduler(policy(kv_bound=37, oom_backoff=0.5, priority_aging=1.0))
+    s.submit(ask("small", prompt=4, new=5, at=0.0, priority=Priority.LOW))
+    s.submit(ask("big", prompt=20, new=5, at=0.001))
+    s.submit(ask("keep", prompt=10, new=5, at=0.002, priority=Priority.HIGH))
+    clock.now = 2.0  # all have aged to the best class: waiting order is by arrival, small first
+    step(s, clock)
+    plan = s.schedule(clock.tick())
+    assert plan.kv_tokens == 37
+    s.finished(plan, StepOutcome(out_of_memory=True), clock.tick())
+    assert s.kv_bound == 18
+    plan = s.schedule(clock.tick())
+    assert rids(plan.preempted) == ["small", "big"] and rids(plan.decode) == ["keep"]
+    assert plan.prefill == ()  # small would fit again (11 + 5), but is not recomputed at once
+    s.finished(plan, ran(plan), clock.tick())
+    plan = s.schedule(clock.tick())
+    assert rids(plan.refused) == ["big"] and rids(plan.prefill) == ["small"]  # big (25 at most) never fits 18
+
+
+def test_out_of_memory_alone_fails_that_sequence_and_what_can_no_longer_fit_is_refused():
+    clock, s = Clock(), GenerationScheduler(policy(kv_bound=100, max_running=1))
+    s.submit(ask("a", prompt=10, new=50))
+    s.submit(ask("waits", prompt=30, new=50, at=0.001))
+    s.submit(ask("small", prompt=2, new=3, at=0.002))
+    step(s, clock)
+    plan = s.schedule(clock.tick())
+    assert rids(plan.decode) == ["a"] and plan.kv_tokens == 11
+    s.finished(plan, StepOutcome(out_of_memory=True), clock.tick())
+    assert s.kv_bound == 9
+    plan = s.schedule(clock.tick())
+    assert rids(plan.refused) == ["waits", "a"]  # a does not fit even alone; waits could never
+    assert all(isinstance(x.error, OutOfMemory) and x.status is Status.FAILED for x in plan.refused)
+    assert rids(plan.prefill) == ["small"]  # what still fits goes on
+    with pytest.raises(OutOfMemory, match="this worker holds 9"):
+        s.submit(ask("new", prompt=5, new=5))
+
+
+def test_submit_refuses_a_full_queue_and_an_ask_that_cannot_fit_even_alone():
+    s = GenerationScheduler(policy(queue_cap=2, kv_bound=50))
+    s.submit(ask("a"))
+    s.submit(ask("b"))
+    with pytest.raises(Overloaded, match="2 generation requests waiting .cap 2") as full:
+        s.submit(ask("c"))
+    assert full.value.status == 503
+    with pytest.raises(OutOfMemory, match="needs up to 51 KV-cache tokens") as big:
+        GenerationScheduler(policy(kv_bound=50)).submit(ask("big", prompt=41, new=10))
+    assert big.value.status == 507
+    GenerationScheduler(policy(kv_bound=50)).submit(ask("just", prompt=40, new=10))
+    with pytest.raises(BadInput):
+        s.submit(GenerationRequest("empty", (), 4, 0.0))
+
+
+def test_preempted_sequences_do_not_count_against_the_queue_cap():
+    clock, s = Clock(), GenerationScheduler(policy(queue_cap=1, kv_bound=20, max_running=2))
+    s.submit(ask("a", prompt=8, new=10))
+    step(s, clock)
+    s.submit(ask("b", prompt=8, new=10, at=clock.now))
+    plan, _ = step(s, clock)
+    assert rids(plan.prefill) == ["b"]
+    step(s, clock)  # 10 + 9 live
+    plan = s.schedule(clock.tick())
+    assert rids(plan.preempted) == ["b"]  # 11 + 10 > 20
+    s.submit(ask("c", at=clock.now))  # b waits again, but the queue holds no new request
+    with pytest.raises(Overloaded):
+        s.submit(ask("d", at=clock.now))
+
+
+def test_a_high_priority_request_preempts_lower_classes_but_not_its_own():
+    clock, s = Clock(), GenerationScheduler(policy(max_running=2))
+    s.submit(ask("low", priority=Priority.LOW))
+    s.submit(ask("normal", at=0.001))
+    step(s, clock)
+    s.submit(ask("high", at=clock.now, priority=Priority.HIGH))
+    s.submit(ask("normal-2", at=clock.now))
+    plan = s.schedule(clock.tick())
+    assert rids(plan.prefill) == ["high"] and rids(plan.preempted) == ["low"] and rids(plan.decode) == ["normal"]
+    assert plan.tokens == 1 + 4
+    s.finished(plan, ran(plan), clock.tick())
+    plan = s.schedule(clock.tick())
+    assert plan.prefill == () and plan.preempted == ()  # normal-2 does not preempt normal; low waits too
+
+
+def test_preemption_for_priority_can_be_turned_off_and_never_evicts_for_nothing():
+    clock, s = Clock(), GenerationScheduler(policy(max_running=2, preempt_for_priority=False))
+    s.submit(ask("low", priority=Priority.LOW))
+    s.submit(ask("low-2", priority=Priority.LOW, at=0.001))
+    step(s, clock)
+    s.submit(ask("high", at=clock.now, priority=Priority.HIGH))
+    plan = s.schedule(clock.tick())
+    assert plan.prefill == () and plan.preempted == ()
+    # on, but the lower classes hold too little room for the request: nobody is evicted in vain
+    clock, s = Clock(), GenerationScheduler(policy(kv_bound=40))
+    s.submit(ask("normal", prompt=20, new=10))
+    s.submit(ask("low", prompt=5, new=5, at=0.001, priority=Priority.LOW))
+    step(s, clock)
+    s.submit(ask("normal-2", prompt=20, new=10, at=clock.now))
+    plan = s.schedule(clock.tick())
+    assert plan.prefill == () and plan.preempted == () and rids(plan.decode) == ["normal", "low"]
+
+
+def test_deadlines_expire_waiting_and_running_sequences():
+    clock, s = Clock(), GenerationScheduler(policy(max_running=1))
+    s.submit(ask("runs", deadline=0.05))
+    s.submit(ask("waits", at=0.001, deadline=0.03))
+    plan, _ = step(s, clock)
+    assert rids(plan.prefill) == ["runs"]
+    clock.now = 0.03
+    plan = s.schedule(clock.now)
+    assert rids(plan.expired) == ["waits"] and rids(plan.decode) == ["runs"]
+    assert isinstance(plan.expired[0].error, DeadlineExceeded) and plan.expired[0].error.status == 504
+    s.finished(plan, ran(plan), clock.tick())
+    clock.now = 0.05
+    plan = s.schedule(clock.now)
+    assert rids(plan.expired) == ["runs"] and plan.runs == () and plan.ended == plan.expired
+    assert plan.expired[0].status is Status.FAILED and s.running == []
+
+
+def test_a_waiting_low_request_climbs_a_class_per_aging_period():
+    for now, first in ((0.9, "normal"), (1.2, "low")):
+        s = GenerationScheduler(policy(max_running=1, priority_aging=1.0))
+        s.submit(ask("normal", at=0.5))
+        s.submit(ask("low", at=0.0, priority=Priority.LOW))
+        # at 1.2 low has waited a whole period: it counts as normal, and it came first
+        assert rids(s.schedule(now).prefill) == [first]
+
+
+def test_a_sequence_cancelled_while_its_step_runs_is_ignored_when_the_step_settles():
+    clock, s = Clock(), GenerationScheduler(policy())
+    s.submit(ask("gone"))
+    s.submit(ask("stays"))
+    plan = s.schedule(clock.tick())
+    gone = plan.prefill[0]
+    assert s.cancel(gone, clock.tick()) and not s.cancel(gone, clock.tick())
+    assert s.finished(plan, ran(plan), clock.tick()) == []
+    assert gone.status is Status.CANCELLED and gone.tokens == [] and rids(s.running) == ["stays"]
+
+
+def test_priority_is_read_from_the_header_as_the_encoder_reads_it():
+    assert Priority.parse(None) is Priority.NORMAL and Priority.parse(" High ") is Priority.HIGH
+    with pytest.raises(BadInput, match="high, normal or low, got 'urgent'"):
+        Priority.parse("urgent")
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("token_budget", 0, "token_budget must be a whole number"),
+    ("kv_bound", 1.5, "kv_bound must be a whole number"),
+    ("token_budget", 4, "token_budget .4. must be at least max_running .8."),
+    ("oom_backoff", 1.0, "oom_backoff must be between 0 and 1"),
+])
+def test_a_bad_policy_fails_at_load_with_the_field_named(field, value, message):
+    with pytest.raises(ConfigError, match=message):
+        policy(**{field: value})
