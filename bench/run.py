@@ -12,9 +12,8 @@ Open-loop Poisson arrivals of one workload (`--workload`, bench/loadtest/workloa
 search/RAG mix, short only, mostly long, or the older two-cluster mix), offered rates up to past
 saturation, then each arm's knee bisected twice (sweep.refine).
 Arms take turns at each rate (and in each round at 70% of (b)'s capacity), so every ratio compares
-arms measured in the same minutes: on a shared machine the speed moves between runs (run 2 of
-2026-11-29 was ~1.6x slower throughout than run 1), and sequential arms would carry that into the
-ratios. Writes bench/results/bench-WORKLOAD.{json,md,png} (bench.* for two-cluster). The sweep and its rules (capacity,
+arms measured in the same minutes: on a shared machine the speed moves between runs, and
+sequential arms would carry that into the ratios. Writes bench/results/bench-WORKLOAD.{json,md,png} (bench.* for two-cluster). The sweep and its rules (capacity,
 saturation) are in bench/loadtest/sweep.py.
 
 Light load: every arm also at 14 req/s and at 30% of the shipped arm's (d) capacity, `--rounds`

@@ -14,8 +14,8 @@ inputs, some near the maximum), same p99 target. Arms:
 Every arm uses the same handler buckets (--buckets) so warmup stays short. Search: for each arm,
 offered rates go up until p99 passes the target or a request is lost or fails; its capacity is the
 rate before that (bench/loadtest/sweep.capacity). Final: the tuned arm and the grid's best are served at once
-and measured in turns, several windows per rate pooled, and the ratio comes from there (a single
-window decides 48 vs 56 req/s by chance on a shared machine, and arms minutes apart meet
+and measured in turns, several windows per rate pooled, and the ratio comes from there (on a
+shared machine one window can decide a rate step by chance, and arms minutes apart meet
 different machines).
 Time to find, the same way for both: the wall time of building, starting and sweeping each arm
 (the tuned arm's build is its profile + tune + build, shown apart too); for the grid, the sum over
