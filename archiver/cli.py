@@ -47,7 +47,9 @@ def _model_args(parser: argparse.ArgumentParser, task_default: str | None = Task
                              "archive's root (as torch-model-archiver's --extra-files)")
     parser.set_defaults(task_default=task_default)
     parser.add_argument("--handler-config", metavar="YAML",
-                        help="YAML file whose mapping is merged into the handler: section")
+                        help="YAML file: a mapping merged into model-config.yaml's handler: section, or a mapping "
+                             "with handler: and model: sections (model: is your model's own, passed to load_model as "
+                             "config.model); keys: docs/configuration.md")
 
 
 def _device_arg(parser: argparse.ArgumentParser) -> None:
@@ -97,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "or your own model (--handler).",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_archive_parser, _profile_parser, _tune_parser, _export_parser, _ready_parser, _stop_parser):
+    for add in (_archive_parser, _profile_parser, _tune_parser, _export_parser, _ready_parser, _stop_parser,
+                _config_docs_parser):
         add(sub)
     return parser
 
@@ -159,8 +162,11 @@ def _export_parser(sub) -> None:
         "export",
         help="write a deployment layout for another platform (--kserve)",
         description="--kserve: OUT/config/config.properties, OUT/model-store/NAME.mar and OUT/inferenceservice.yaml "
-        "in the layout KServe's TorchServe runtime loads from storageUri. Tuned like `archive`, for TorchServe's "
-        "default batching with batchSize 1 (KServe's request envelope does not support async mode).",
+        "in the layout KServe's TorchServe runtime loads from storageUri. The archive is built and tuned like "
+        "`archive` in continuous mode (tsbatch's scheduler, batchSize = handler.queue_cap + 32), with --handler and "
+        "--extra-files shipped as given. TorchServe's KServe envelope stays off (it answers only the first request of "
+        "a frontend batch): tsbatch reads KServe's v1 {\"instances\": [...]} and v2 BYTES-tensor requests itself, "
+        "each instance bucketed and batched on its own, several per request and several requests per pass.",
     )
     export.add_argument("--kserve", action="store_true", required=True, help="KServe's TorchServe runtime (the only target)")
     export.add_argument("--out", required=True, help="export folder: copy its config/ and model-store/ to --storage-uri")
@@ -194,6 +200,20 @@ def _stop_parser(sub) -> None:
     stop.add_argument("--run-dir", default=".run", help="the directory `make serve` ran torchserve in")
 
 
+def _config_docs_parser(sub) -> None:
+    sub.add_parser("config-docs", help="print docs/configuration.md: every model-config.yaml key, from the config classes",
+                   description="Write the configuration reference (every key of model-config.yaml tsbatch reads or "
+                   "writes: type, default, modes, meaning) from handlers/config.py to stdout: "
+                   "python -m tsbatch.archiver config-docs > docs/configuration.md")
+
+
+def cmd_config_docs(args) -> int:
+    from tsbatch.archiver.config_docs import render
+
+    sys.stdout.write(render())
+    return 0
+
+
 def cmd_stop(args) -> int:
     run_dir = os.path.abspath(args.run_dir)
     paths = server.ServerPaths(os.path.join(run_dir, "tmp"), os.path.join(run_dir, "logs"))
@@ -220,7 +240,7 @@ def _request(args, task: str | None = None, need_model: bool = True) -> pipeline
     if handler_file and not os.path.isfile(handler_file):
         raise ArchiveError(f"--handler {handler_file}: no such file")
     task = task or args.task or (None if handler_file else args.task_default)
-    section = pipeline.handler_section(task, getattr(args, "device", None), args.handler_config)
+    section, model = pipeline.config_sections(task, getattr(args, "device", None), args.handler_config)
     overrides = {key: value for key, value in (("batchSize", getattr(args, "batch_size", None)),
                                                 ("maxBatchDelay", getattr(args, "max_batch_delay", None)),
                                                 ("minWorkers", getattr(args, "workers", None))) if value is not None}
@@ -228,7 +248,7 @@ def _request(args, task: str | None = None, need_model: bool = True) -> pipeline
                             getattr(args, "cores", None), getattr(args, "gpus", None), overrides,
                             getattr(args, "mode", "continuous"),
                             os.path.abspath(handler_file) if handler_file else None,
-                            _extra_files(getattr(args, "extra_files", None)))
+                            _extra_files(getattr(args, "extra_files", None)), model)
 
 
 def _extra_files(value: str | None) -> tuple[str, ...]:
@@ -246,8 +266,8 @@ def _settings(args) -> dict:
 
 
 def _show_tuning(tuning) -> None:
-    mode = {"continuous": "continuous mode", "async": "async mode"}.get(tuning.mode, "default batching, batchSize 1")
-    say(f"tuned for p99 <= {tuning.target_ms:g} ms on {tuning.machine.cores} cores, {tuning.machine.gpus} GPU(s) ({mode})")
+    say(f"tuned for p99 <= {tuning.target_ms:g} ms on {tuning.machine.cores} cores, {tuning.machine.gpus} GPU(s) "
+        f"({tuning.mode} mode)")
     print("  bucket  lane  batch  median ms  p90 ms   req/s  predicted p99 ms")
     for plan in tuning.buckets:
         print(f"  {bucket_label(plan.bucket):>6}  {plan.lane:>4}  {plan.batch:>5}  {plan.median_ms:>9.1f}  {plan.p90_ms:>6.1f}  "
@@ -293,13 +313,13 @@ def cmd_export(args) -> int:
     say(f"wrote {built.properties}, {built.mar} and {built.manifest}")
     say(f"copy {os.path.join(args.out, 'config')} and {os.path.join(args.out, 'model-store')} to the storageUri, "
         f"then: kubectl apply -f {built.manifest}")
-    say(f"send one instance per request (POST /v1/models/{args.name}:predict with {{\"instances\": [...]}}): "
-        "with TorchServe 0.12's KServe envelope tsbatch's handler does not yet answer several instances at once")
+    say(f"requests: POST /v1/models/{args.name}:predict with {{\"instances\": [...]}} (several per request are "
+        f"fine; at most handler.max_texts_per_request) or POST /v2/models/{args.name}/infer with a BYTES tensor")
     return 0
 
 
 COMMANDS = {"archive": cmd_archive, "profile": cmd_profile, "tune": cmd_tune, "export": cmd_export,
-            "wait-ready": cmd_wait_ready, "stop": cmd_stop}
+            "wait-ready": cmd_wait_ready, "stop": cmd_stop, "config-docs": cmd_config_docs}
 ERRORS = (ArchiveError, ConfigError, server.ServerError, OSError, yaml.YAMLError, TuneError, KServeError,
           ProfileError)
 

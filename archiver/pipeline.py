@@ -23,7 +23,7 @@ from tsbatch.archiver.properties import (
     render_yaml,
 )
 from tsbatch.archiver.tune import Machine, TuneError, Tuning, frontend_keys, plan_workers, tune
-from tsbatch.handlers.config import HandlerConfig
+from tsbatch.handlers.config import FrontendConfig, HandlerConfig
 from tsbatch.handlers.errors import ConfigError
 from tsbatch.warmup.profile import PROFILE_FILE, LatencyProfile
 
@@ -45,6 +45,7 @@ class Request:
     mode: str = "continuous"  # how requests reach tsbatch's scheduler: "continuous" or "async"
     handler_file: str | None = None  # a team's own handler (absolute path); None: the built-in encoder
     extra_files: tuple[str, ...] = ()  # what that handler imports, placed beside it (absolute paths)
+    model_section: Mapping[str, Any] = field(default_factory=dict)  # model-config.yaml's model:, for that handler's model
 
     def shipped(self) -> dict[str, str]:
         """Archive-root name -> local path of the team's extra files."""
@@ -64,19 +65,33 @@ class Built:
     manifest: str | None = None
 
 
-def handler_section(task: str | None, device: str | None = None, handler_config: str | None = None) -> dict:
-    """The handler: section from the flags and a YAML file (the file wins), validated."""
+def config_sections(task: str | None, device: str | None = None,
+                    handler_config: str | None = None) -> tuple[dict, dict]:
+    """The handler: and model: sections from the flags and a YAML file (the file wins), validated.
+    The file holds handler keys, or model-config.yaml's `handler:` and `model:` sections."""
     section: dict[str, Any] = {"task": task} if task else {}
     if device:
         section["device"] = device
+    model: dict[str, Any] = {}
     if handler_config:
         with open(handler_config) as f:
             extra = yaml.safe_load(f)
         if extra is not None and not isinstance(extra, Mapping):
             raise ConfigError(f"{handler_config} must hold a mapping of handler settings, got {extra!r}")
-        section.update(extra or {})
-    HandlerConfig.from_yaml(section)
-    return section
+        extra = dict(extra or {})
+        if set(extra) & set(FrontendConfig.SECTIONS):
+            outside = sorted(map(str, set(extra) - set(FrontendConfig.SECTIONS)))
+            if outside:
+                raise ConfigError(f"{handler_config} has handler: or model: sections and keys outside them {outside}: "
+                                  "put handler keys under handler:")
+            for name in FrontendConfig.SECTIONS:
+                if extra.get(name) is not None and not isinstance(extra[name], Mapping):
+                    raise ConfigError(f"{handler_config}: {name}: must be a mapping, got {extra[name]!r}")
+            model = dict(extra.get("model") or {})
+            extra = dict(extra.get("handler") or {})
+        section.update(extra)
+    HandlerConfig.from_yaml(section, model)
+    return section, model
 
 
 def load_profile(path: str) -> LatencyProfile:
@@ -94,7 +109,8 @@ def this_machine() -> Machine:
 
 def profile_here(model_dir: str, name: str, section: Mapping[str, Any], mode: str = "continuous",
                  progress: Progress = lambda _: None, handler_file: str | None = None,
-                 extra_files: Mapping[str, str] | None = None) -> LatencyProfile:
+                 extra_files: Mapping[str, str] | None = None,
+                 model_section: Mapping[str, Any] | None = None) -> LatencyProfile:
     """Load and warm the handler in this process with the threads tune will give each worker here."""
     check_model_dir(model_dir, hugging_face=handler_file is None)  # missing files fail here, before torch loads
     from tsbatch.archiver.measure import profile_model
@@ -110,6 +126,8 @@ def profile_here(model_dir: str, name: str, section: Mapping[str, Any], mode: st
              f"{handler['torch_threads']} torch threads per worker")
     yaml_config = {"handler": handler, "startupTimeout": PROFILE_STARTUP_TIMEOUT,  # the mode decides the lanes' threads
                    "continuousBatching": mode == "continuous", "asyncCommunication": mode == "async"}
+    if model_section:
+        yaml_config["model"] = dict(model_section)
     return profile_model(model_dir, name, yaml_config, progress, handler_file, extra_files)
 
 
@@ -143,9 +161,9 @@ def tuned_config(request: Request, tuning: Tuning, profile: LatencyProfile, sour
     raised_max = frontend["maxWorkers"] < frontend["minWorkers"]
     if raised_max:  # --workers above the tuned count: TorchServe needs maxWorkers >= minWorkers
         frontend["maxWorkers"] = frontend["minWorkers"]
-    merged = model_config(handler, frontend)
-    config = {k: v for k, v in merged.items() if k != "handler"}
-    config["handler"] = merged["handler"]
+    merged = model_config(handler, frontend, request.model_section)
+    config = {k: v for k, v in merged.items() if k not in FrontendConfig.SECTIONS}
+    config.update({k: merged[k] for k in FrontendConfig.SECTIONS if k in merged})  # sections last
     comments = tuning.comments()
     for key in request.overrides:
         tuned = tuning.frontend.get(key)
@@ -174,7 +192,7 @@ def _obtain_profile(request: Request, profile_path: str | None, progress: Progre
         check_model_dir(request.model_dir, hugging_face=request.handler_file is None)
         return load_profile(profile_path)
     return profile_here(request.model_dir, request.name, request.section, request.mode, progress,
-                        request.handler_file, request.shipped())
+                        request.handler_file, request.shipped(), request.model_section)
 
 
 def archive(request: Request, out: str, settings: Mapping[str, Any], profile_path: str | None = None,
@@ -183,9 +201,9 @@ def archive(request: Request, out: str, settings: Mapping[str, Any], profile_pat
     properties = os.path.join(out, "config.properties")
     if no_tune:
         queue_cap = HandlerConfig.from_yaml(request.section).queue_cap
-        config = model_config(request.section, {**frontend_keys(request.mode, queue_cap), **request.overrides})
-        mar = build_archive(ArchiveSpec(request.model_dir, request.name, config, out, extra_files=request.shipped(),
-                                        handler=request.handler_file or ENTRY), progress)
+        config = model_config(request.section, {**frontend_keys(request.mode, queue_cap), **request.overrides},
+                              request.model_section)
+        mar = build_archive(_spec(request, config, out), progress)
         _write(properties, render_properties(ServerSettings(model_store=out, load_models=(f"{request.name}.mar",),
                                                             metrics_config=install_metrics_config(out), log_config=install_log_config(out), **settings)))
         return Built(properties, config, mar)
@@ -193,9 +211,7 @@ def archive(request: Request, out: str, settings: Mapping[str, Any], profile_pat
     tuning, source = tune_for(request, profile)
     config, text = tuned_config(request, tuning, profile, source)
     kept = _profile_file(profile, out, request.name)
-    spec = ArchiveSpec(request.model_dir, request.name, config, out, extra_files={**request.shipped(), PROFILE_FILE: kept},
-                       config_text=text, handler=request.handler_file or ENTRY)
-    mar = build_archive(spec, progress)
+    mar = build_archive(_spec(request, config, out, text, kept), progress)
     _write(properties, render_properties(ServerSettings(model_store=out, load_models=(f"{request.name}.mar",),
                                                         metrics_config=install_metrics_config(out), log_config=install_log_config(out),
                                                         tuned=tuning.property_entries(), **settings)))
@@ -213,8 +229,8 @@ def export_kserve(request: Request, out: str, storage_uri: str | None = None, pr
     # the shipped archive does: continuous mode, tsbatch's scheduler
     mode = frontend_keys("continuous")
     if no_tune:
-        config = model_config(request.section, {**mode, **request.overrides})
-        mar = build_archive(ArchiveSpec(request.model_dir, request.name, config, store), progress)
+        config = model_config(request.section, {**mode, **request.overrides}, request.model_section)
+        mar = build_archive(_spec(request, config, store), progress)
         tuned, profile_file = (), None
         resources = kserve.resources_for(config.get("minWorkers", 1), 1, 0, None, tuned=False)
         tuning = None
@@ -223,9 +239,7 @@ def export_kserve(request: Request, out: str, storage_uri: str | None = None, pr
         tuning, source = tune_for(request, profile, mode="continuous")
         config, text = tuned_config(request, tuning, profile, source)
         profile_file = _profile_file(profile, out, request.name)
-        spec = ArchiveSpec(request.model_dir, request.name, config, store,
-                           extra_files={PROFILE_FILE: profile_file}, config_text=text)
-        mar = build_archive(spec, progress)
+        mar = build_archive(_spec(request, config, store, text, profile_file), progress)
         tuned = tuning.property_entries()
         gpus = tuning.properties["number_of_gpu"].value
         resources = kserve.resources_for(config["minWorkers"], tuning.handler["torch_threads"].value, gpus,
@@ -237,10 +251,20 @@ def export_kserve(request: Request, out: str, storage_uri: str | None = None, pr
     return Built(written.properties, config, mar, tuning=tuning, profile_path=profile_file, manifest=written.manifest)
 
 
+def _spec(request: Request, config: dict, store: str, text: str = "", profile_file: str | None = None) -> ArchiveSpec:
+    """What build_archive packs, the same for archive and export: the request's handler (a team's
+    own, or the built-in encoder) with its extra files, the profile when there is one, and
+    model-config.yaml once FrontendConfig has checked it."""
+    FrontendConfig.from_yaml(config)
+    extra = {**request.shipped(), **({PROFILE_FILE: profile_file} if profile_file else {})}
+    return ArchiveSpec(request.model_dir, request.name, config, store, extra_files=extra, config_text=text,
+                       handler=request.handler_file or ENTRY)
+
+
 def profile_to(request: Request, path: str, progress: Progress = lambda _: None) -> LatencyProfile:
     """`tsbatch profile`: take the profile here and write it to path."""
     profile = profile_here(request.model_dir, request.name, request.section, request.mode, progress,
-                           request.handler_file, request.shipped())
+                           request.handler_file, request.shipped(), request.model_section)
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     profile.save(path)

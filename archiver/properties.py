@@ -136,13 +136,17 @@ def read_properties(text: str) -> dict[str, str]:
     return values
 
 
-def model_config(handler: Mapping[str, Any], frontend: Mapping[str, Any] | None = None) -> dict:
-    """The model-config.yaml template with the handler section and frontend keys overridden."""
+def model_config(handler: Mapping[str, Any], frontend: Mapping[str, Any] | None = None,
+                 model: Mapping[str, Any] | None = None) -> dict:
+    """The model-config.yaml template with the handler section and frontend keys overridden, and
+    a team model's own `model:` section when it has one."""
     with open(os.path.join(CONFIGS, "model-config.yaml")) as f:
         config = yaml.safe_load(f)
     config = copy.deepcopy(config)
     config.update(frontend or {})
     config["handler"] = {**config.get("handler", {}), **handler}
+    if model:
+        config["model"] = copy.deepcopy(dict(model))
     return config
 
 

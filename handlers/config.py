@@ -1,19 +1,40 @@
-"""The handler's configuration: the `handler:` section of model-config.yaml, validated once at load.
+"""The configuration classes of model-config.yaml, each validated once with one message per bad field.
 
-A bad field fails `initialize()` with one message that names the field and what it got, so a
-broken archive never reaches its first request.
+- `HandlerConfig`: the `handler:` section, read by the handler's `initialize()` (a bad field fails
+  the load, never a request); `FaultInjection` is its `fault_injection:` sub-section.
+- `HandlerConfig.model`: the `model:` section, a team's model's own settings. tsbatch checks only
+  that it is a mapping and hands it to `load_model` read-only as `config.model`; the model
+  validates its own keys (raise ConfigError).
+- `FrontendConfig`: the TorchServe frontend keys tsbatch writes at the top of model-config.yaml,
+  checked by the archiver before it builds an archive.
+
+One place defines a key: its dataclass field, declared with
+`setting(default, doc, check, modes=..., encoder_only=...)`. The known keys, the did-you-mean for
+unknown ones, each value's check and conversion (strings to enums at this boundary) and
+docs/configuration.md (`python -m tsbatch.archiver config-docs`) are all read from those fields.
+To add a key: add one field with setting() (a Check from the list below, or a new one), then
+regenerate docs/configuration.md; tests/unit/test_config_docs.py fails for a field without doc or
+check and for a stale docs file.
 """
 from __future__ import annotations
 
+import copy
 import difflib
 import enum
 import re
-from dataclasses import dataclass, field, fields
-from typing import Any, Mapping
+from dataclasses import MISSING, Field, dataclass, field, fields
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
 
 from tsbatch.handlers.buckets import (Bucket, batch_cap, bucket_grid, bucket_label, bucket_order, bucket_tokens, check_edges,
                                       default_edges, parse_bucket, power_of_two_edges)
 from tsbatch.handlers.errors import ConfigError
+
+SETTING = "tsbatch.setting"  # the metadata key of a field declared with setting()
+DOCS = "docs/configuration.md"
+# how requests reach the handler (handlers/modes/): TorchServe's own batching, continuousBatching, asyncCommunication
+MODES = ("default", "continuous", "async")
+SCHEDULER_MODES = ("continuous", "async")  # tsbatch's scheduler and lanes run in the worker
 
 
 class Task(str, enum.Enum):
@@ -22,18 +43,242 @@ class Task(str, enum.Enum):
     TOKEN_CLASSIFICATION = "token_classification"
 
 
+class Dtype(str, enum.Enum):
+    FLOAT32 = "float32"
+    FLOAT16 = "float16"
+    BFLOAT16 = "bfloat16"
+
+
+class DeviceType(str, enum.Enum):
+    CPU = "cpu"
+    GPU = "gpu"
+
+
 class InjectedFault(RuntimeError):
     """Raised by the fault-injection seam in place of a real model failure."""
 
+
+# -- checks: a YAML value in, the field's value out, or one ConfigError naming the key and what it got
+
+@dataclass(frozen=True)
+class Check:
+    """How one key's YAML value becomes its field's value. `kind` is the type as the docs show it;
+    `convert(label, value)` returns the value or raises ConfigError("LABEL must be ..., got ...")."""
+
+    kind: str
+    convert: Callable[[str, Any], Any]
+
+    def __call__(self, label: str, value: Any) -> Any:
+        return self.convert(label, value)
+
+
+def _positive_int(label: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{label} must be a positive integer, got {value!r}")
+    return value
+
+
+def _bool(label: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{label} must be true or false, got {value!r}")
+    return value
+
+
+def _str(label: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"{label} must be a string, got {value!r}")
+    return value
+
+
+def _non_empty_str(label: str, value: Any) -> str:
+    if not _str(label, value):
+        raise ConfigError(f"{label} must not be empty")
+    return value
+
+
+def one_of(kind: type[enum.Enum]) -> Check:
+    """A string turned into its enum member here, at the boundary."""
+    values = [k.value for k in kind]
+
+    def convert(label: str, value: Any):
+        try:
+            return kind(value)
+        except (ValueError, TypeError):
+            raise ConfigError(f"{label} must be one of {values}, got {value!r}") from None
+
+    return Check("one of " + ", ".join(f"`{v}`" for v in values), convert)
+
+
+def optional(check: Check, meaning: str = "") -> Check:
+    """The check, or null for None (`meaning` says what null does, for the docs)."""
+    return Check(f"{check.kind}, or `null`" + (f" ({meaning})" if meaning else ""),
+                 lambda label, value: None if value is None else check(label, value))
+
+
+def _device(label: str, value: Any) -> str:
+    device = _str(label, value)
+    if device not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", device):
+        raise ConfigError(f"{label} must be auto, cpu or cuda[:N], got {device!r}")
+    return device
+
+
+def _edges(label: str, value: Any) -> tuple[int, ...]:
+    if not isinstance(value, (list, tuple)) or not value:
+        raise ConfigError(f"{label} must be a non-empty list of token lengths, got {value!r}")
+    edges = tuple(_positive_int(f"{label}[{i}]", v) for i, v in enumerate(value))
+    if any(b <= a for a, b in zip(edges, edges[1:])):
+        raise ConfigError(f"{label} must be strictly increasing, got {list(edges)}")
+    return edges
+
+
+def _buckets(label: str, value: Any):
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, (list, tuple)) for v in value):
+        return tuple(_edges(f"{label}[{i}]", v) for i, v in enumerate(value))
+    return _edges(label, value)
+
+
+def _bucket_key(label: str, key: Any) -> Bucket:
+    """A batch_caps key: an edge (16, "16") or one edge per size ("32x16")."""
+    try:
+        bucket = parse_bucket(key)
+    except (TypeError, ValueError):
+        bucket = key
+    for edge in bucket if isinstance(bucket, tuple) else (bucket,):
+        _positive_int(f"{label} key {key!r}", edge)
+    return bucket
+
+
+def _batch_caps(label: str, value: Any) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{label} must map bucket edges to batch sizes, got {value!r}")
+    return {_bucket_key(label, k): _positive_int(f"{label}[{k}]", v) for k, v in value.items()}
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def _memory_budget(label: str, value: Any) -> float | int:
+    """0 < fraction <= 1 of the device, a whole number of bytes, or a size such as "50GB" / "48GiB"."""
+    if isinstance(value, float) and 0 < value <= 1:
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and value > 1:
+        return value
+    if isinstance(value, str):
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmg]i?b|b)?\s*", value.lower())
+        if match and float(match.group(1)) > 0:
+            return int(float(match.group(1)) * _UNITS[match.group(2) or ""])
+    raise ConfigError(f"{label} must be a fraction of the device (0 < f <= 1), bytes, or a size "
+                      f"such as \"50GB\", got {value!r}")
+
+
+def _fault_injection(label: str, value: Any) -> "FaultInjection":
+    if value is None:
+        return FaultInjection()
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{label} must be a mapping, got {value!r}")
+    return FaultInjection(**parse_section(FaultInjection, value, f"{label}."))
+
+
+def _model_section(label: str, value: Any) -> Mapping[str, Any]:
+    if value is None:
+        return MappingProxyType({})
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{label} must be a mapping of your model's own settings, got {value!r}")
+    return MappingProxyType(copy.deepcopy(dict(value)))  # the model's own copy: YAML's dicts stay the caller's
+
+
+POSITIVE_INT = Check("positive integer", _positive_int)
+BOOL = Check("`true` or `false`", _bool)
+STRING = Check("string", _str)
+NON_EMPTY_STRING = Check("non-empty string", _non_empty_str)
+DEVICE = Check("`auto`, `cpu`, `cuda` or `cuda:N`", _device)
+BUCKETS = Check("list of increasing token lengths, or one such list per size", _buckets)
+BATCH_CAPS = Check("mapping of bucket (`16`, or `\"32x16\"` for two sizes) to positive integer", _batch_caps)
+MEMORY_BUDGET = Check("fraction of the device (0 < f <= 1), bytes, or a size such as `\"50GB\"`", _memory_budget)
+FAULT_INJECTION = Check("mapping (`handler.fault_injection` below)", _fault_injection)
+MODEL_SECTION = Check("mapping of your model's own keys", _model_section)
+
+
+# -- declaring a key, and reading a section by its declared keys
+
+@dataclass(frozen=True)
+class Setting:
+    """What a config field's metadata holds: its documentation and its check."""
+
+    doc: str
+    check: Check
+    modes: tuple[str, ...] = MODES  # the serving modes that read it
+    encoder_only: bool = False  # read only by the built-in encoder (handlers/runner.py), not a team's model
+    section: str | None = None  # another section of model-config.yaml than its class's (HandlerConfig.model)
+
+
+def setting(default: Any = MISSING, doc: str = "", check: Check | None = None, *, factory: Callable[[], Any] | None = None,
+            modes: tuple[str, ...] = MODES, encoder_only: bool = False, section: str | None = None) -> Any:
+    """A config field that is a key of model-config.yaml: its default, what it means, how it is checked."""
+    meta = {SETTING: Setting(doc, check, tuple(modes), encoder_only, section)}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def declared(cls) -> list[tuple[Field, Setting | None]]:
+    """Every field of a config class with its Setting (None where the field was declared without one)."""
+    return [(f, f.metadata.get(SETTING)) for f in fields(cls)]
+
+
+def keys_of(cls) -> dict[str, Setting]:
+    """The keys of the class's own section; a field declared without setting() is a bug, said here."""
+    keys = {}
+    for f, meta in declared(cls):
+        if not isinstance(meta, Setting) or not meta.doc or not isinstance(meta.check, Check):
+            raise TypeError(f"{cls.__name__}.{f.name} is not declared with setting(default, doc, check): it would be "
+                            f"no key of model-config.yaml (see {__name__}'s docstring)")
+        if meta.section is None:
+            keys[f.name] = meta
+    return keys
+
+
+def default_of(f: Field) -> Any:
+    return f.default_factory() if f.default_factory is not MISSING else f.default
+
+
+def parse_section(cls, section: Mapping[str, Any], prefix: str, where: str | None = None) -> dict[str, Any]:
+    """The checked values of a section's keys; ConfigError for unknown keys (with the nearest known
+    key) and for the first bad value. `prefix` starts each key's label ("handler."), `where` names
+    the section in the unknown-keys message."""
+    keys = keys_of(cls)
+    unknown = sorted(map(str, set(section) - set(keys)))
+    if unknown:
+        hints = {k: difflib.get_close_matches(k, sorted(keys), n=1) for k in unknown}
+        near = "; ".join(f"{k!r}: did you mean {m[0]!r}?" for k, m in hints.items() if m)
+        raise ConfigError(f"{where or prefix.rstrip('.')}: unknown key(s) {unknown}" + (f" ({near})" if near else "")
+                          + f"; {DOCS} lists the known keys")
+    return {name: keys[name].check(prefix + name, value) for name, value in section.items()}
+
+
+def _mapping(label: str, section: Any) -> Mapping[str, Any]:
+    if section is None:
+        return {}
+    if not isinstance(section, Mapping):
+        raise ConfigError(f"{label}: must be a mapping of settings, got {section!r}")
+    return section
+
+
+# -- the classes
 
 @dataclass(frozen=True)
 class FaultInjection:
     """Chaos-testing seam: only model-config.yaml can switch it on, never a client. It acts before
     every forward pass, whatever the model (handlers/api.py)."""
 
-    substring: str | None = None  # in a request's text (or, for other inputs, their printed form)
-    oom_above_batch: int | None = None
-    oom_above_tokens: int | None = None  # batch x bucket tokens: memory that grows with the shape
+    substring: str | None = setting(None, "a pass holding a request whose text (or, for other inputs, their printed "
+                                          "form) contains this fails as the model would", optional(NON_EMPTY_STRING))
+    oom_above_batch: int | None = setting(None, "a pass of more requests than this fails with out of memory",
+                                          optional(POSITIVE_INT))
+    oom_above_tokens: int | None = setting(None, "a pass of more padded tokens (batch x bucket) than this fails with out "
+                                                 "of memory: memory that grows with the shape", optional(POSITIVE_INT))
 
     @property
     def enabled(self) -> bool:
@@ -57,105 +302,86 @@ def _shown(prepared: Any) -> str:
 
 @dataclass(frozen=True)
 class HandlerConfig:
-    task: Task | None = None
-    model_dir: str = "model"
-    truncation: bool = True
-    max_length: int | None = None
-    # edges of one size, or one list of edges per size for a model with several (handlers/buckets.py)
-    buckets: tuple[int, ...] | tuple[tuple[int, ...], ...] | None = None
-    max_batch_tokens: int = 4096
-    max_batch_size: int = 16
-    batch_caps: dict[Bucket, int] = field(default_factory=dict)  # bucket -> tuned largest batch
-    isolation_budget: int = 16
-    device: str = "auto"
-    torch_threads: int | None = None
-    fault_injection: FaultInjection = field(default_factory=FaultInjection)
-    # scheduler modes (continuousBatching or asyncCommunication): tsbatch's scheduler in each worker
-    max_wait_ms: int = 2
-    poll_ms: int = 5  # continuous mode: a call returns after this long even if nothing finished
-    # continuous mode with sibling workers: the work one call may take in (it is answered whole)
-    max_call_ms: int = 100
-    queue_cap: int = 64  # texts waiting in this worker (a request of several texts counts each)
-    # a request of several texts ({"text": [...]}, handlers/parse.py): most texts, most tokens in all
-    max_texts_per_request: int = 32
-    max_tokens_per_request: int = 8192
-    age_bound_ms: int = 250
-    priority_aging_ms: int = 1000
-    deadline_ms: int = 30000
-    # of every deadline, kept for what the worker cannot see: the frontend's intake before handle()
-    # and the reply's way back to the client (make chaos: up to 20 ms under 3x overload)
-    deadline_margin_ms: int = 50
-    long_lane_from: int | None = 128
-    # warmup: every (batch size, bucket) shape before the worker reports READY
-    warmup: bool = True
-    warmup_repeats: int = 3
-    warmup_max_repeats: int = 6
-    compile: bool = False
-    # the built-in encoder runs a TorchScript trace of the model (the same kernels without Python's
-    # per-module work: 2-3 ms of a pass of one short text on one CPU thread), kept only if it
-    # answers exactly as eager
-    trace: bool = True
-    # per worker: a fraction of the device (0 < f <= 1) or bytes; enforced on CUDA only (handlers/memory.py)
-    memory_budget: float | int | None = None
+    """The `handler:` section, plus the `model:` section as `model`: a read-only mapping that
+    reaches `TsbatchHandler.load_model(model_path, config, gpu_id)` as `config.model`, so a
+    subclass written before the section existed loads unchanged."""
+
+    task: Task | None = setting(None, "what the built-in encoder serves (`tsbatch archive --task`, default "
+                                      "embedding); none for your own model", one_of(Task), encoder_only=True)
+    model_dir: str = setting("model", "the model's files, relative to the archive's root", STRING)
+    truncation: bool = setting(True, "inputs longer than max_length are truncated; `false` answers them 413",
+                               BOOL, encoder_only=True)
+    max_length: int | None = setting(None, "most tokens per input; null: the model's own (sentence-transformers' "
+                                           "max_seq_length, else its positions)", optional(POSITIVE_INT),
+                                     encoder_only=True)
+    buckets: tuple[int, ...] | tuple[tuple[int, ...], ...] | None = setting(
+        None, "length bucket edges: a request is padded to its bucket's edge only. A model with two sizes takes one "
+              "list per size (`[[16, 64, 128], [8, 32, 256]]`). null: 8 apart to 64, 16 to 128, 32 to 256, 64 to "
+              "512, then 128 apart (powers of two per size for several sizes), up to the model's max_length",
+        optional(BUCKETS))
+    max_batch_tokens: int = setting(4096, "padded tokens one pass may hold: a bucket of edge E runs at most "
+                                          "max_batch_tokens / E requests at once", POSITIVE_INT)
+    max_batch_size: int = setting(16, "most requests in one pass (batch sizes are powers of two)", POSITIVE_INT)
+    batch_caps: dict[Bucket, int] = setting(
+        doc="per bucket, the largest batch; `tsbatch tune` writes it from the latency profile",
+        check=BATCH_CAPS, factory=dict)
+    isolation_budget: int = setting(16, "extra passes one failing batch may spend finding the failing requests "
+                                        "before the rest fail fast with 503", POSITIVE_INT)
+    device: str = setting("auto", "where the model runs; auto: the GPU TorchServe assigns, else the CPU", DEVICE)
+    torch_threads: int | None = setting(None, "intra-op threads per worker; null: torch's, never more than this "
+                                              "worker's share of the cores", optional(POSITIVE_INT))
+    fault_injection: FaultInjection = setting(doc="chaos testing: fail passes on purpose (off unless set)",
+                                              check=FAULT_INJECTION, factory=FaultInjection)
+    max_wait_ms: int = setting(2, "the longest a bucket's oldest request is held for company (only while waiting "
+                                  "pays)", POSITIVE_INT, modes=SCHEDULER_MODES)
+    poll_ms: int = setting(5, "a call returns for new arrivals after this long even if no pass finished",
+                           POSITIVE_INT, modes=("continuous",))
+    max_call_ms: int = setting(100, "with sibling workers: the work one call that found a backlog may take in per "
+                                    "lane; the rest get 503 with Retry-After", POSITIVE_INT, modes=("continuous",))
+    queue_cap: int = setting(64, "texts waiting in one worker (a request of several counts each); past it 503 with "
+                                 "Retry-After", POSITIVE_INT, modes=SCHEDULER_MODES)
+    max_texts_per_request: int = setting(32, "most texts in one request (`{\"text\": [...]}`, KServe instances); "
+                                             "more: 413", POSITIVE_INT)
+    max_tokens_per_request: int = setting(8192, "most tokens of one request's texts together; more: 413", POSITIVE_INT)
+    age_bound_ms: int = setting(250, "a bucket whose oldest request waited this long goes next, whatever its length",
+                                POSITIVE_INT, modes=SCHEDULER_MODES)
+    priority_aging_ms: int = setting(1000, "a waiting request gains one priority class per this many ms",
+                                     POSITIVE_INT, modes=SCHEDULER_MODES)
+    deadline_ms: int = setting(30000, "a request that cannot be answered within this is refused at once (503, "
+                                      "Retry-After) when its lane holds more work, else answered 504, never late; "
+                                      "clients may ask for less with X-Deadline-Ms",
+                               POSITIVE_INT, modes=SCHEDULER_MODES)
+    deadline_margin_ms: int = setting(50, "the part of every deadline kept for what the worker cannot see (the "
+                                          "frontend's intake, the reply's way back)", POSITIVE_INT,
+                                      modes=SCHEDULER_MODES)
+    long_lane_from: int | None = setting(128, "buckets whose row costs at least this many tokens (for two sizes, "
+                                              "the sum of the edges) run on a lane of their own",
+                                         optional(POSITIVE_INT, "one lane"), modes=SCHEDULER_MODES)
+    warmup: bool = setting(True, "run every (batch size, bucket) shape in initialize(), before READY", BOOL)
+    warmup_repeats: int = setting(3, "timed passes per shape at warmup, at least", POSITIVE_INT)
+    warmup_max_repeats: int = setting(6, "timed passes per shape at most, until two agree within 10% (at least "
+                                         "warmup_repeats)", POSITIVE_INT)
+    compile: bool = setting(False, "torch.compile with static shapes; warmup compiles every shape before READY",
+                            BOOL, encoder_only=True)
+    trace: bool = setting(True, "run a TorchScript trace of the model, kept only if it answers exactly as eager; "
+                                "off with compile", BOOL, encoder_only=True)
+    dtype: Dtype = setting(Dtype.FLOAT32, "the model's weights and activations (inputs stay token ids, answers come "
+                                          "back float32); on a CPU without matrix units for them float16 and bfloat16 "
+                                          "run slower than float32 (a warning says so)", one_of(Dtype), encoder_only=True)
+    cuda_graphs: bool = setting(False, "on CUDA: each shape warmup runs is captured as a CUDA graph before READY and "
+                                       "replayed for its passes, kept only if it answers exactly as eager; off on the "
+                                       "CPU and with compile", BOOL, encoder_only=True)
+    memory_budget: float | int | None = setting(None, "per worker: the device memory it may use; enforced on CUDA "
+                                                      "only", optional(MEMORY_BUDGET))
+    model: Mapping[str, Any] = setting(doc="your model's own settings, handed to load_model read-only as "
+                                           "`config.model`; tsbatch checks only that it is a mapping",
+                                       check=MODEL_SECTION, factory=lambda: MappingProxyType({}), section="model")
 
     @classmethod
-    def from_yaml(cls, section: Mapping[str, Any] | None) -> "HandlerConfig":
-        """Build from the parsed `handler:` section; raise ConfigError naming the bad field."""
-        if section is None:
-            section = {}
-        if not isinstance(section, Mapping):
-            raise ConfigError(f"handler: must be a mapping of settings, got {section!r}")
-        section = dict(section)
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(map(str, set(section) - known))
-        if unknown:
-            hints = {k: difflib.get_close_matches(k, sorted(known), n=1) for k in unknown}
-            near = "; ".join(f"{k!r}: did you mean {m[0]!r}?" for k, m in hints.items() if m)
-            raise ConfigError(
-                f"handler: unknown key(s) {unknown}" + (f" ({near})" if near else "")
-                + "; the README's handler table lists the known keys"
-            )
-        values: dict[str, Any] = {}
-        if "task" in section:  # the built-in encoder needs it (handlers/runner.py); a team's own model may not
-            values["task"] = _enum(Task, "task", section["task"])
-        if "model_dir" in section:
-            values["model_dir"] = _str("model_dir", section["model_dir"])
-        for name in ("truncation", "warmup", "compile", "trace"):
-            if name in section:
-                values[name] = _bool(name, section[name])
-        if section.get("max_length") is not None:
-            values["max_length"] = _positive_int("max_length", section["max_length"])
-        if section.get("buckets") is not None:
-            buckets = section["buckets"]
-            if isinstance(buckets, (list, tuple)) and buckets and all(isinstance(v, (list, tuple)) for v in buckets):
-                values["buckets"] = tuple(_edges(f"buckets[{i}]", v) for i, v in enumerate(buckets))
-            else:
-                values["buckets"] = _edges("buckets", buckets)
-        for name in ("max_batch_tokens", "max_batch_size", "isolation_budget", "max_wait_ms", "poll_ms", "max_call_ms", "queue_cap",
-                     "max_texts_per_request", "max_tokens_per_request",
-                     "age_bound_ms", "priority_aging_ms", "deadline_ms", "deadline_margin_ms", "warmup_repeats",
-                     "warmup_max_repeats"):
-            if name in section:
-                values[name] = _positive_int(name, section[name])
-        if "device" in section:
-            device = _str("device", section["device"])
-            if device not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", device):
-                raise ConfigError(f"handler.device must be auto, cpu or cuda[:N], got {device!r}")
-            values["device"] = device
-        if section.get("torch_threads") is not None:
-            values["torch_threads"] = _positive_int("torch_threads", section["torch_threads"])
-        if section.get("batch_caps") is not None:
-            caps = section["batch_caps"]
-            if not isinstance(caps, Mapping):
-                raise ConfigError(f"handler.batch_caps must map bucket edges to batch sizes, got {caps!r}")
-            values["batch_caps"] = {_bucket_key(k): _positive_int(f"batch_caps[{k}]", v) for k, v in caps.items()}
-        if "long_lane_from" in section:
-            lane = section["long_lane_from"]
-            values["long_lane_from"] = None if lane is None else _positive_int("long_lane_from", lane)
-        if section.get("memory_budget") is not None:
-            values["memory_budget"] = _memory_budget(section["memory_budget"])
-        if section.get("fault_injection") is not None:
-            values["fault_injection"] = _fault_injection(section["fault_injection"])
+    def from_yaml(cls, section: Mapping[str, Any] | None, model: Mapping[str, Any] | None = None) -> "HandlerConfig":
+        """Build from the parsed `handler:` section (and `model:` section); raise ConfigError naming the bad field."""
+        values = parse_section(cls, _mapping("handler", section), "handler.")
+        values["model"] = _model_section("model", model)
         config = cls(**values)
         if config.warmup_max_repeats < config.warmup_repeats:
             raise ConfigError(
@@ -195,88 +421,48 @@ class HandlerConfig:
                    self.batch_caps.get(bucket, self.max_batch_size))
 
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+@dataclass(frozen=True)
+class FrontendConfig:
+    """The TorchServe frontend keys tsbatch writes at the top of model-config.yaml (the names are
+    TorchServe's); defaults are configs/model-config.yaml's, which `tsbatch tune` replaces. TorchServe
+    ignores a wrongly typed value with a warning, so the archiver checks them before it builds."""
 
+    continuousBatching: bool = setting(True, "continuous mode (the default): the frontend hands the worker every "
+                                             "request it holds plus new ones on each call; tsbatch's scheduler "
+                                             "answers each when its own pass ends", BOOL, modes=("continuous",))
+    asyncCommunication: bool = setting(False, "async mode (`--mode async`): the worker runs handle() as asyncio "
+                                              "tasks; TorchServe 0.12 never replaces an async worker that dies",
+                                       BOOL, modes=("async",))
+    batchSize: int = setting(96, "requests the frontend hands one call: in continuous mode handler.queue_cap plus 32 "
+                                 "new ones; 1 in async mode; in default mode TorchServe's batch", POSITIVE_INT)
+    maxBatchDelay: int = setting(1, "ms the frontend waits to fill a batch for an idle worker (0 would become 100)",
+                                 POSITIVE_INT)
+    minWorkers: int = setting(1, "workers started with the model (tuned: the cores over each worker's threads)",
+                              POSITIVE_INT)
+    maxWorkers: int = setting(4, "most workers scaling may start (tuned: as many as minWorkers)", POSITIVE_INT)
+    jobQueueSize: int = setting(1024, "requests no worker has taken yet (e.g. while workers load); past it 503",
+                                POSITIVE_INT)
+    responseTimeout: int = setting(120, "seconds one call may take before TorchServe fails its requests and "
+                                        "restarts the worker (not enforced in async mode; tuned from the slowest pass)", POSITIVE_INT)
+    startupTimeout: int = setting(300, "seconds a worker may take to load and warm every shape before READY "
+                                       "(tuned: twice load + warmup)", POSITIVE_INT)
+    deviceType: DeviceType | None = setting(None, "`gpu`: TorchServe hands each worker a GPU id; tuned from the "
+                                                  "profile's device", optional(one_of(DeviceType), "TorchServe's choice"))
 
-def _memory_budget(value: Any) -> float | int:
-    """0 < fraction <= 1 of the device, a whole number of bytes, or a size such as "50GB" / "48GiB"."""
-    if isinstance(value, float) and 0 < value <= 1:
-        return value
-    if isinstance(value, int) and not isinstance(value, bool) and value > 1:
-        return value
-    if isinstance(value, str):
-        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmg]i?b|b)?\s*", value.lower())
-        if match and float(match.group(1)) > 0:
-            return int(float(match.group(1)) * _UNITS[match.group(2) or ""])
-    raise ConfigError(f"handler.memory_budget must be a fraction of the device (0 < f <= 1), bytes, or a size "
-                      f"such as \"50GB\", got {value!r}")
+    SECTIONS = ("handler", "model")  # the other top-level keys: HandlerConfig's sections
 
-
-def _fault_injection(value: Any) -> FaultInjection:
-    if not isinstance(value, Mapping):
-        raise ConfigError(f"handler.fault_injection must be a mapping, got {value!r}")
-    unknown = sorted(map(str, set(value) - {"substring", "oom_above_batch", "oom_above_tokens"}))
-    if unknown:
-        raise ConfigError(
-            f"handler.fault_injection: unknown key(s) {unknown}; known: substring, oom_above_batch, oom_above_tokens"
-        )
-    substring = value.get("substring")
-    if substring is not None:
-        substring = _str("fault_injection.substring", substring)
-        if not substring:
-            raise ConfigError("handler.fault_injection.substring must not be empty")
-    oom = value.get("oom_above_batch")
-    if oom is not None:
-        oom = _positive_int("fault_injection.oom_above_batch", oom)
-    tokens = value.get("oom_above_tokens")
-    if tokens is not None:
-        tokens = _positive_int("fault_injection.oom_above_tokens", tokens)
-    return FaultInjection(substring=substring, oom_above_batch=oom, oom_above_tokens=tokens)
-
-
-def _enum(kind: type[enum.Enum], name: str, value: Any):
-    try:
-        return kind(value)
-    except ValueError:
-        raise ConfigError(
-            f"handler.{name} must be one of {[k.value for k in kind]}, got {value!r}"
-        ) from None
-
-
-def _str(name: str, value: Any) -> str:
-    if not isinstance(value, str):
-        raise ConfigError(f"handler.{name} must be a string, got {value!r}")
-    return value
-
-
-def _bool(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigError(f"handler.{name} must be true or false, got {value!r}")
-    return value
-
-
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"handler.{name} must be a positive integer, got {value!r}")
-    return value
-
-
-def _bucket_key(key: Any) -> Bucket:
-    """A batch_caps key: an edge (16, "16") or one edge per size ("32x16")."""
-    try:
-        bucket = parse_bucket(key)
-    except (TypeError, ValueError):
-        bucket = key
-    edges = bucket if isinstance(bucket, tuple) else (bucket,)
-    for edge in edges:
-        _positive_int(f"batch_caps key {key!r}", edge)
-    return bucket
-
-
-def _edges(name: str, value: Any) -> tuple[int, ...]:
-    if not isinstance(value, (list, tuple)) or not value:
-        raise ConfigError(f"handler.{name} must be a non-empty list of token lengths, got {value!r}")
-    edges = tuple(_positive_int(f"{name}[{i}]", v) for i, v in enumerate(value))
-    if any(b <= a for a, b in zip(edges, edges[1:])):
-        raise ConfigError(f"handler.{name} must be strictly increasing, got {list(edges)}")
-    return edges
+    @classmethod
+    def from_yaml(cls, config: Mapping[str, Any]) -> "FrontendConfig":
+        """Check a whole model-config.yaml as tsbatch writes it: its frontend keys here, its
+        `handler:` and `model:` sections by HandlerConfig."""
+        config = _mapping("model-config.yaml", config)
+        HandlerConfig.from_yaml(config.get("handler"), config.get("model"))
+        frontend = {k: v for k, v in config.items() if k not in cls.SECTIONS}
+        built = cls(**parse_section(cls, frontend, "model-config.yaml: ", "model-config.yaml"))
+        if built.continuousBatching and built.asyncCommunication:
+            raise ConfigError("model-config.yaml sets both asyncCommunication and continuousBatching: TorchServe "
+                              "cannot do both")
+        if built.maxWorkers < built.minWorkers:
+            raise ConfigError(f"model-config.yaml: maxWorkers ({built.maxWorkers}) must be at least minWorkers "
+                              f"({built.minWorkers})")
+        return built

@@ -20,6 +20,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 EXAMPLE = os.path.join(REPO, "examples", "generate")
 HANDLER = os.path.join(EXAMPLE, "gen_handler.py")
 SECTION = {"buckets": [[8, 32], [8, 64]], "max_batch_size": 4, "long_lane_from": 64}
+MODEL = {"max_prompt_tokens": 32, "max_new_tokens": 64}  # model-config.yaml's model: section, the model's own
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +34,8 @@ def handler(gen_dir):
     try:
         loaded = handler_class(HANDLER)()
         archive = tempfile.mkdtemp(prefix="tsbatch-gen-")  # this worker's own archive: no siblings
-        loaded.initialize(make_context(archive, {"model_dir": gen_dir, **SECTION, "warmup": False}))
+        loaded.initialize(make_context(archive, {"model_dir": gen_dir, **SECTION, "warmup": False},
+                                       frontend={"model": MODEL}))
         yield loaded
         loaded.close()
     finally:
@@ -48,7 +50,7 @@ def test_profile_warms_every_batch_size_of_every_prompt_and_new_token_bucket(gen
     sys.path.insert(0, EXAMPLE)
     try:
         profile = profile_here(gen_dir, "gen", {**SECTION, "max_batch_size": 2}, "continuous", handler_file=HANDLER,
-                               extra_files={"gen_model.py": os.path.join(EXAMPLE, "gen_model.py")})
+                               extra_files={"gen_model.py": os.path.join(EXAMPLE, "gen_model.py")}, model_section=MODEL)
     finally:
         sys.path.remove(EXAMPLE)
     buckets = {(p, n) for p in (8, 32) for n in (8, 64)}
@@ -85,7 +87,7 @@ def test_an_ask_for_few_tokens_is_answered_while_long_generations_run(gen_dir):
         loaded = handler_class(HANDLER)()
         archive = tempfile.mkdtemp(prefix="tsbatch-gen-")  # the model's only worker
         loaded.initialize(make_context(archive, {"model_dir": gen_dir, **SECTION, "warmup": False, "poll_ms": 1},
-                                       frontend={"continuousBatching": True}))
+                                       frontend={"continuousBatching": True, "model": MODEL}))
     finally:
         sys.path.remove(EXAMPLE)
     try:
@@ -100,3 +102,53 @@ def test_an_ask_for_few_tokens_is_answered_while_long_generations_run(gen_dir):
     assert all(r.status == 200 for r in replies.values())
     assert replies["short"].headers[PADDED_HEADER] == "8x8"
     assert frontend.answered_in["short"] < min(frontend.answered_in[f"long-{i}"] for i in range(4))
+
+
+def load(gen_dir, model: dict | None, handler: dict | None = None):
+    sys.path.insert(0, EXAMPLE)
+    try:
+        loaded = handler_class(HANDLER)()
+        frontend = {"model": model} if model is not None else {}
+        loaded.initialize(make_context(tempfile.mkdtemp(prefix="tsbatch-gen-"),
+                                       {"model_dir": gen_dir, "warmup": False, **(handler or {})}, frontend=frontend))
+        return loaded
+    finally:
+        sys.path.remove(EXAMPLE)
+
+
+def test_the_models_limits_come_from_its_own_section_not_from_the_buckets(gen_dir):
+    """model: sets the limits; the handler's edges are cut at them and topped by them."""
+    loaded = load(gen_dir, {"max_prompt_tokens": 16, "max_new_tokens": 8}, {"buckets": [[8, 64], [4, 32]]})
+    try:
+        assert loaded.model.max_length == (16, 8)
+        assert loaded.config.model == {"max_prompt_tokens": 16, "max_new_tokens": 8}
+        assert sorted(loaded.edges) == [(8, 4), (8, 8), (16, 4), (16, 8)]
+    finally:
+        loaded.close()
+    loaded = load(gen_dir, None)  # no model: section: the example's defaults
+    try:
+        assert loaded.model.max_length == (128, 256)
+    finally:
+        loaded.close()
+
+
+@pytest.mark.parametrize("model, words", [
+    ({"max_new_token": 8}, "model: unknown key(s) ['max_new_token']"),
+    ({"max_new_tokens": 0}, "model.max_new_tokens must be a positive integer, got 0"),
+    ({"max_prompt_tokens": "64"}, "model.max_prompt_tokens must be a positive integer, got '64'"),
+    ([64], "model must be a mapping of your model's own settings, got [64]"),
+])
+def test_a_bad_model_section_fails_the_load_naming_the_key(gen_dir, model, words):
+    from tsbatch.handlers.errors import ConfigError
+
+    with pytest.raises(ConfigError) as caught:
+        load(gen_dir, model)
+    assert words in str(caught.value)
+
+
+def test_the_config_the_example_ships_builds_the_models_limits_from_its_model_section():
+    from tsbatch.archiver.pipeline import config_sections
+
+    handler, model = config_sections(None, handler_config=os.path.join(EXAMPLE, "handler.yaml"))
+    assert model == {"max_prompt_tokens": 128, "max_new_tokens": 256}
+    assert [edges[-1] for edges in handler["buckets"]] == [model["max_prompt_tokens"], model["max_new_tokens"]]

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import yaml
 
-from tsbatch.handlers.config import FaultInjection, HandlerConfig, Task
+from tsbatch.handlers.config import DeviceType, FaultInjection, FrontendConfig, HandlerConfig, Task
 from tsbatch.handlers.errors import ConfigError
 
 pytestmark = pytest.mark.unit
@@ -120,7 +120,7 @@ def test_unknown_keys_are_named(section, names):
     message = str(caught.value)
     assert "unknown key" in message
     assert str(names) in message
-    assert "handler table lists the known keys" in message and len(message) < 400
+    assert "docs/configuration.md lists the known keys" in message and len(message) < 400
 
 
 def test_an_unknown_key_close_to_a_known_one_gets_a_suggestion():
@@ -325,3 +325,56 @@ def test_unknown_non_string_keys_are_a_config_error():
     section = yaml.safe_load("task: embedding\non: 1\nbatch: 2\n")
     with pytest.raises(ConfigError, match="unknown key"):
         HandlerConfig.from_yaml(section)
+
+
+# -- the model: section: the team's model's own, read-only, never rejected by tsbatch -------------
+
+def test_the_model_section_reaches_the_config_read_only_and_any_key_is_kept():
+    section = {"max_new_tokens": 64, "anything": {"nested": [1, 2]}, "batchSize": "not tsbatch's"}
+    config = HandlerConfig.from_yaml({"max_batch_size": 4}, section)
+    assert config.model == section and config.max_batch_size == 4
+    with pytest.raises(TypeError):
+        config.model["max_new_tokens"] = 1  # type: ignore[index]
+    section["max_new_tokens"] = 1  # the caller's dict is copied, not shared
+    assert config.model["max_new_tokens"] == 64
+    assert dataclasses.replace(config, torch_threads=2).model == config.model
+
+
+@pytest.mark.parametrize("model", [None, {}])
+def test_no_model_section_is_an_empty_mapping(model):
+    assert dict(HandlerConfig.from_yaml({}, model).model) == {} and dict(HandlerConfig().model) == {}
+
+
+@pytest.mark.parametrize("model", [[1], "max_new_tokens: 8", 5])
+def test_a_model_section_that_is_not_a_mapping_is_named(model):
+    with pytest.raises(ConfigError, match=r"model must be a mapping of your model's own settings, got"):
+        HandlerConfig.from_yaml({}, model)
+
+
+def test_model_is_a_section_not_a_handler_key():
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['model'\]"):
+        HandlerConfig.from_yaml({"model": {"max_new_tokens": 8}})
+
+
+# -- the frontend keys tsbatch writes at the top of model-config.yaml ---------------------------
+
+def test_frontend_keys_are_checked_and_strings_become_enums():
+    config = FrontendConfig.from_yaml({"batchSize": 8, "deviceType": "gpu", "handler": {"task": "embedding"}})
+    assert config.batchSize == 8 and config.deviceType is DeviceType.GPU
+
+
+@pytest.mark.parametrize("config, words", [
+    ({"batchSize": "8"}, "model-config.yaml: batchSize must be a positive integer, got '8'"),
+    ({"maxBatchDelay": 0}, "model-config.yaml: maxBatchDelay must be a positive integer, got 0"),
+    ({"continuousBatching": "true"}, "model-config.yaml: continuousBatching must be true or false, got 'true'"),
+    ({"deviceType": "cuda"}, "model-config.yaml: deviceType must be one of ['cpu', 'gpu'], got 'cuda'"),
+    ({"batchsize": 8}, "'batchsize': did you mean 'batchSize'?"),
+    ({"asyncCommunication": True}, "sets both asyncCommunication and continuousBatching"),
+    ({"minWorkers": 3, "maxWorkers": 2}, "maxWorkers (2) must be at least minWorkers (3)"),
+    ({"handler": {"max_batch_size": 0}}, "handler.max_batch_size must be a positive integer, got 0"),
+    ({"model": [1]}, "model must be a mapping"),
+])
+def test_a_bad_frontend_key_is_named(config, words):
+    with pytest.raises(ConfigError) as caught:
+        FrontendConfig.from_yaml(config)
+    assert words in str(caught.value)
