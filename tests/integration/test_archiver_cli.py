@@ -16,6 +16,8 @@ from tsbatch.warmup.profile import PROFILE_FILE, LatencyProfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL = {"buckets": [16, 64, 256], "max_batch_size": 4}  # 9 shapes: a profile in seconds
+CONV = os.path.join(REPO, "examples", "conv1d")  # a team's own handler and model (tests/e2e/test_own_model.py)
+CONV_HANDLER = ("--handler", os.path.join(CONV, "conv_handler.py"), "--extra-files", os.path.join(CONV, "conv_model.py"))
 
 
 def tsbatch(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -220,9 +222,120 @@ def test_export_needs_kserve(tmp_path):
     assert not (tmp_path / "k").exists()
 
 
-@pytest.mark.parametrize("command", ["archive", "profile", "tune", "export"])
+@pytest.mark.parametrize("command", ["archive", "profile", "tune", "export", "config-docs"])
 def test_every_subcommand_explains_itself(command):
     done = tsbatch(command, "--help")
     assert done.returncode == 0 and "usage: tsbatch " + command in done.stdout
     if command in ("archive", "tune", "export"):
         assert "--target-ms" in done.stdout
+
+
+def test_export_help_says_how_the_pod_batches():
+    """What export_kserve builds: continuous mode, KServe's shapes read by tsbatch, several instances a request."""
+    text = " ".join(tsbatch("export", "--help").stdout.split())
+    assert "continuous mode" in text and "batchSize = handler.queue_cap + 32" in text
+    assert "several per request" in text and "--handler" in text
+    assert "batchSize 1" not in text and "one instance per request" not in text
+
+
+# -- export --kserve with a team's own handler ---------------------------------------------------
+
+@pytest.fixture(scope="module")
+def conv_dir(tmp_path_factory) -> str:
+    from tests.support import example_maker
+
+    return example_maker(CONV)(str(tmp_path_factory.mktemp("conv") / "model"), max_length=32)
+
+
+@pytest.fixture(scope="module")
+def conv_sections(tmp_path_factory) -> str:
+    """A --handler-config in model-config.yaml's shape: tsbatch's handler: keys and the model's own model: section."""
+    path = tmp_path_factory.mktemp("conv-cfg") / "conv.yaml"
+    path.write_text(yaml.safe_dump({"handler": {"buckets": [8, 32], "max_batch_size": 2},
+                                    "model": {"team_key": 7, "anything": ["the model's"]}}))
+    return str(path)
+
+
+def exported(out) -> tuple[set[str], dict, dict, dict]:
+    """The export's .mar: its names, its manifest, its model-config.yaml; and the snapshot entry."""
+    with zipfile.ZipFile(out / "model-store" / "conv.mar") as archive:
+        names = set(archive.namelist())
+        manifest = json.loads(archive.read("MAR-INF/MANIFEST.json"))
+        config = yaml.safe_load(archive.read("model-config.yaml"))
+    with open(out / "config" / "config.properties") as f:
+        entry = json.loads(read_properties(f.read())["model_snapshot"])["models"]["conv"]["1.0"]
+    return names, manifest, config, entry
+
+
+def test_export_kserve_with_a_handler_ships_that_handler_and_loads_it_from_the_exported_config(
+        tmp_path, conv_dir, conv_sections):
+    out = tmp_path / "kserve"
+    done = tsbatch("export", "--kserve", "--out", str(out), "--model-dir", conv_dir, "--name", "conv", *CONV_HANDLER,
+                   "--handler-config", conv_sections, "--target-ms", "2000")
+    assert done.returncode == 0, done.stderr
+    names, manifest, config, entry = exported(out)
+    assert manifest["model"]["handler"] == "conv_handler.py"  # what TorchServe imports
+    assert {"conv_handler.py", "conv_model.py", PROFILE_FILE, "model/model.safetensors", "model/config.json",
+            "tsbatch/handlers/tsbatch_handler.py"} <= names
+    assert "encoder_handler.py" not in names  # the built-in encoder's entry is not what it ships
+    shipped = json.loads(mar_member(str(out / "model-store" / "conv.mar"), PROFILE_FILE))
+    assert shipped["environment"]["model"] == "ConvNet"  # it profiled what it ships
+    assert "task" not in config["handler"] and config["handler"]["buckets"] == [8, 32]
+    assert config["model"] == {"team_key": 7, "anything": ["the model's"]}
+    assert entry["marName"] == "conv.mar" and entry["batchSize"] == config["batchSize"]
+    # the handler class TorchServe would instantiate, from the extracted archive and its model-config.yaml
+    from ts.context import Context
+    from ts.metrics.metrics_store import MetricsStore
+
+    from tsbatch.archiver.measure import handler_class
+    from tests.support import ContinuousFrontend, make_context
+
+    root = tmp_path / "extracted"
+    with zipfile.ZipFile(out / "model-store" / "conv.mar") as archive:
+        archive.extractall(root)
+    sys.path.insert(0, str(root))  # TorchServe puts the extracted archive first on sys.path
+    try:
+        handler = handler_class(str(root / manifest["model"]["handler"]))()
+        handler.initialize(Context("conv", str(root), manifest, entry["batchSize"], None, "0.12.0",
+                                   metrics=MetricsStore("conv-test", "conv"), model_yaml_config=config))
+    finally:
+        sys.path.remove(str(root))
+    try:
+        assert type(handler).__name__ == "ConvHandler" and type(handler.model).__name__ == "ConvModel"
+        assert handler.config.model == config["model"]
+        assert handler.profile is not None and handler.profile.shapes  # warmed as the archive says
+        frontend = ContinuousFrontend(handler, make_context(str(root), {}))
+        frontend.submit("one", json.dumps({"values": [0.1, 0.2, 0.3]}).encode(), "application/json")
+        frontend.submit("two", json.dumps({"instances": [{"values": [1.0] * 5}, {"values": [0.5] * 20}]}).encode(),
+                        "application/json")
+        frontend.submit("bad", b'{"values": "none"}', "application/json")
+        replies = frontend.drain()
+    finally:
+        handler.close()
+    assert replies["one"].status == 200 and set(replies["one"].body["scores"]) == {"calm", "noisy", "spiky"}
+    assert replies["two"].status == 200 and len(replies["two"].body["predictions"]) == 2
+    assert replies["bad"].status == 400
+
+
+def test_export_kserve_no_tune_with_a_handler_ships_that_handler_too(tmp_path, conv_dir, conv_sections):
+    out = tmp_path / "kserve"
+    done = tsbatch("export", "--kserve", "--no-tune", "--out", str(out), "--model-dir", conv_dir, "--name", "conv",
+                   *CONV_HANDLER, "--handler-config", conv_sections)
+    assert done.returncode == 0, done.stderr
+    names, manifest, config, _entry = exported(out)
+    assert manifest["model"]["handler"] == "conv_handler.py"
+    assert {"conv_handler.py", "conv_model.py", "model/model.safetensors"} <= names and PROFILE_FILE not in names
+    assert config["model"]["team_key"] == 7 and config["continuousBatching"] is True
+
+
+@pytest.mark.parametrize("content, words", [
+    ({"handler": {"max_batch_size": 2}, "max_wait_ms": 3}, "keys outside them ['max_wait_ms']"),
+    ({"model": [1]}, "model: must be a mapping"),
+    ({"handler": {"model": {"team_key": 7}}}, "unknown key(s) ['model']"),
+])
+def test_a_handler_config_with_misplaced_sections_is_refused(tmp_path, conv_dir, content, words):
+    config = tmp_path / "bad.yaml"
+    config.write_text(yaml.safe_dump(content))
+    refused(tsbatch("export", "--kserve", "--no-tune", "--out", str(tmp_path / "k"), "--model-dir", conv_dir,
+                    *CONV_HANDLER, "--handler-config", str(config)), words)
+    assert not (tmp_path / "k" / "model-store").exists()
