@@ -13,7 +13,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Collection, Sequence
 
@@ -22,7 +22,7 @@ from tsbatch.handlers.buckets import Item, bucket_for, bucket_label, bucket_toke
 from tsbatch.handlers.errors import BadInput, InputTooLong, ModelFailed, OutOfMemory, Overloaded, ServingError
 from tsbatch.handlers.envelopes import LIST, wrap
 from tsbatch.handlers.parse import row_value
-from tsbatch.handlers.scheduler import Answer
+from tsbatch.handlers.reply import Answer
 
 logger = logging.getLogger(__name__)
 
@@ -39,44 +39,6 @@ DEADLINE_HEADER = "x-deadline-ms"
 RETRY_AFTER_SECONDS = "1"
 
 
-class Gather:
-    """A request's answer from its texts' answers: itself for a request of one text; for several,
-    the list of their results in order once every text is answered, or the whole request failed
-    with its first failed text's error, which names that text (ServingError.at)."""
-
-    def __init__(self, parts: int, deadline: float | None = None, envelope: str = ""):
-        self.parts = parts  # 0: a request of one text
-        self.answers: list[Answer | None] = [None] * max(1, parts)
-        self.deadline = deadline
-        self.envelope = envelope
-
-    @classmethod
-    def of(cls, items: Sequence[Item], deadline: float | None = None) -> "Gather":
-        return cls(items[0].parts, deadline, items[0].envelope)
-
-    def add(self, part: int, answered: Answer) -> bool:
-        """Record one text's answer; True once the request is complete."""
-        self.answers[part] = answered
-        return self.done
-
-    @property
-    def done(self) -> bool:
-        return all(a is not None for a in self.answers)
-
-    def answer(self) -> Answer:
-        if not self.parts:
-            return self.answers[0]
-        answers = tuple(self.answers)
-        times = dict(arrived=min(a.arrived for a in answers),
-                     started=min((a.started for a in answers if a.started), default=0.0),
-                     finished=max(a.finished for a in answers))
-        failed = next((i for i, a in enumerate(answers) if a.failed), None)
-        if failed is not None:
-            return Answer(answers[failed].outcome.at(failed), answers[failed].batch_size, 0, **times)
-        return Answer([a.outcome for a in answers], max(a.batch_size for a in answers), answers[0].bucket,
-                      parts=answers, envelope=self.envelope, **times)
-
-
 @dataclass
 class Call:
     """One handler call: per row, its answer so far (None: not answered yet). `batch_size` is
@@ -84,7 +46,6 @@ class Call:
 
     answers: list[Answer | None]
     batch_size: int = 1
-    gathers: dict[int, Gather] = field(default_factory=dict)  # row -> its texts' answers so far
 
     @classmethod
     def of(cls, rows: int, batch_size: int = 1) -> "Call":
@@ -95,12 +56,6 @@ class Call:
 
     def settle(self, index: int, answer: Answer) -> None:
         self.answers[index] = answer
-
-    def settle_item(self, item: Item, answer: Answer) -> None:
-        """One text's answer: its request is answered once all its texts are."""
-        gather = self.gathers.setdefault(item.index, Gather(item.parts, envelope=item.envelope))
-        if gather.add(item.part, answer):
-            self.settle(item.index, gather.answer())
 
     def fail_unanswered(self, error: Exception) -> None:
         """A bug in tsbatch: every request not yet answered gets a 500 that says so."""

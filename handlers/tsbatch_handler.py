@@ -18,11 +18,11 @@ from dataclasses import replace
 from tsbatch.handlers.api import Model, device_type
 from tsbatch.handlers.buckets import Bucket
 from tsbatch.handlers.config import HandlerConfig
-from tsbatch.handlers.engine import split_lanes
-from tsbatch.handlers.isolate import Isolator, OomCaps
-from tsbatch.handlers.memory import OOM_CAPS_FILE, apply_budget, keep_caps, load_caps
+from tsbatch.handlers.isolate import Isolator
+from tsbatch.handlers.memory import OOM_CAPS_FILE, apply_budget, load_caps
 from tsbatch.handlers.metrics import Metrics
 from tsbatch.handlers.modes import make_mode, serving_mode
+from tsbatch.handlers.policy import split_lanes
 from tsbatch.handlers.siblings import Siblings, fit_threads, usable_cores
 from tsbatch.handlers.worker import Worker
 
@@ -52,7 +52,7 @@ class TsbatchHandler:
         started = time.monotonic()
         yaml_config = context.model_yaml_config or {}
         model_dir = context.system_properties.get("model_dir")
-        config = HandlerConfig.from_yaml(yaml_config.get("handler"))
+        config = HandlerConfig.from_yaml(yaml_config.get("handler"), yaml_config.get("model"))
         # joined first: siblings see this worker long before it polls (continuous mode), and
         # workers of one model share the cores
         siblings = Siblings(model_dir).join()
@@ -63,13 +63,12 @@ class TsbatchHandler:
         metrics = Metrics(getattr(context, "metrics", None), context.model_name, _gpu_sampler(model))
         _apply_memory_budget(config, model)
         # caps learned from out of memory by this model's workers so far (handlers/memory.py)
-        self.caps_file = os.path.join(model_dir, OOM_CAPS_FILE)
-        known = load_caps(self.caps_file)
-        isolator = Isolator(self._timed_run, config.isolation_budget,
-                            OomCaps({b: c for b, c in known.items() if c > 0}, on_learn=self._learned))
+        caps_file = os.path.join(model_dir, OOM_CAPS_FILE)
+        known = load_caps(caps_file)
         timeout = yaml_config.get("responseTimeout")
         self.worker = w = Worker(
-            config, model, config.edges_for(model.max_length), isolator, metrics, siblings,
+            config, model, config.edges_for(model.max_length), metrics, siblings,
+            caps={b: c for b, c in known.items() if c > 0}, caps_file=caps_file,
             unfit={bucket for bucket, cap in known.items() if cap == 0},
             batch_size=int(context.system_properties.get("batch_size") or 1),
             response_timeout=timeout if isinstance(timeout, int) and timeout > 1 else 120)
@@ -80,11 +79,14 @@ class TsbatchHandler:
         if config.warmup:
             from tsbatch.handlers.warming import warm_up
 
-            w.profile = warm_up(model, config, [e for e in w.edges if e not in w.unfit], w.batch_sizes, lanes,
-                                context.model_name, model_dir, yaml_config.get("startupTimeout", 120), self._free_memory,
-                                self._forward)
-            self._learn_from_warmup(w.profile)
-            metrics.warmup(w.profile)
+            profile = warm_up(model, config, [e for e in w.edges if e not in w.unfit], w.batch_sizes, lanes,
+                              context.model_name, model_dir, yaml_config.get("startupTimeout", 120), self._free_memory,
+                              w.forward)
+            w.warmed(profile)
+            if profile.oom_caps:
+                logger.warning("tsbatch warmup: batch caps learned from out of memory (bucket: largest batch that "
+                               "fits; 0: none, those requests get 507): %s", profile.oom_caps)
+            metrics.warmup(profile)
         for bucket in w.edges:  # every bucket's cap, learned from out of memory or not
             metrics.cap(bucket, 0 if bucket in w.unfit else w.cap_for(bucket))
         model.ready()
@@ -147,40 +149,6 @@ class TsbatchHandler:
         lanes = split_lanes(self.worker.edges, self.worker.config.long_lane_from)
         threads = max(1, (self.worker.model.describe().get("torch_threads") or usable_cores()) // len(lanes))
         return [(lane, threads) for lane in lanes]
-
-    def _timed_run(self, batch):
-        """One forward pass, timed for tsbatch_forward_seconds (failed passes count too)."""
-        started = time.perf_counter()
-        try:
-            return self._forward(batch)
-        finally:
-            self.worker.metrics.forward(batch.bucket, time.perf_counter() - started)
-
-    def _forward(self, batch):
-        """The model's pass, behind the fault-injection seam (warmup meets injected faults too)."""
-        fault = self.worker.config.fault_injection
-        if fault.enabled:
-            fault.check(batch)
-        return self.worker.model.forward(batch)
-
-    def _learned(self, bucket: Bucket, cap: int) -> None:
-        """A cap learned while serving: keep it for this model's workers (a restarted one too)."""
-        keep_caps(self.caps_file, {bucket: cap}, "learned while serving")
-        self.worker.metrics.cap(bucket, cap)
-
-    def _learn_from_warmup(self, profile) -> None:
-        """Caps warmup learned from out of memory hold from now on, for this model's workers."""
-        if not profile.oom_caps:
-            return
-        caps = self.worker.isolator.caps.caps
-        for bucket, cap in profile.oom_caps.items():
-            if cap == 0:
-                self.worker.unfit.add(bucket)
-            else:
-                caps[bucket] = min(cap, caps.get(bucket, cap))
-        keep_caps(self.caps_file, profile.oom_caps, "learned at warmup")
-        logger.warning("tsbatch warmup: batch caps learned from out of memory (bucket: largest batch that fits; "
-                       "0: none, those requests get 507): %s", profile.oom_caps)
 
     def _free_memory(self, shape, error) -> None:
         """After out of memory: give cached device memory back so the next shapes start clean."""

@@ -8,25 +8,7 @@ import asyncio
 import time
 
 from tsbatch.handlers.modes.scheduled import ScheduledMode
-from tsbatch.handlers.scheduler import Answer, Ticket
-from tsbatch.handlers.stages import Call, Gather, answer, by_request, prepare
-
-
-class _Future:
-    """Waits for one request's tickets (one per text) on its event loop: lane threads settle
-    them thread-safely, and the request's answer is set once every text is answered."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, gather: Gather):
-        self.loop = loop
-        self.gather = gather
-        self.future = loop.create_future()
-
-    def settle(self, ticket: Ticket, answer_: Answer) -> None:
-        def set_result() -> None:  # on the loop's thread: one text at a time
-            if not self.future.done() and self.gather.add(ticket.item.part, answer_):
-                self.future.set_result(self.gather.answer())
-
-        self.loop.call_soon_threadsafe(set_result)
+from tsbatch.handlers.stages import Call, answer, by_request, prepare
 
 
 class AsyncMode(ScheduledMode):
@@ -38,14 +20,13 @@ class AsyncMode(ScheduledMode):
         arrived = time.monotonic()  # the deadline counts from here: parsing and tokenizing are inside it
         call = Call.of(len(data))
         try:
-            loop = asyncio.get_running_loop()
             waiting = []
             for request in by_request(prepare(w.model, w.edges, w.unfit, data, context, call, limits=w.config)):
-                future = _Future(loop, Gather.of(request))
-                if self.admit(request, context, arrived, future, call):
-                    waiting.append((request[0].index, future))
+                reply = self.admit(request, context, arrived, call)
+                if reply is not None:
+                    waiting.append((request[0].index, asyncio.wrap_future(reply.future)))
             for index, future in waiting:
-                call.settle(index, await future.future)
+                call.settle(index, await future)
         except Exception as error:  # noqa: BLE001
             call.fail_unanswered(error)
         _reply(answer(call, context), call, context)

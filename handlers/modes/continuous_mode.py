@@ -18,10 +18,11 @@ import time
 
 from tsbatch.handlers.buckets import Item
 from tsbatch.handlers.errors import Overloaded
-from tsbatch.handlers.engine import missed_deadline
+from tsbatch.handlers.lanes import missed_deadline
 from tsbatch.handlers.modes.scheduled import ScheduledMode
-from tsbatch.handlers.scheduler import Answer, Ticket, within_budget
-from tsbatch.handlers.stages import Call, Gather, answer, by_request, prepare
+from tsbatch.handlers.policy import within_budget
+from tsbatch.handlers.reply import Answer, Reply
+from tsbatch.handlers.stages import Call, answer, by_request, prepare
 
 
 # TorchServe re-sends every request a worker holds with each call (its id and all its HTTP
@@ -45,19 +46,18 @@ class ContinuousMode(ScheduledMode):
 
     def __init__(self, worker, lanes):
         super().__init__(worker, lanes)
-        self.running: dict[str, Gather] = {}  # request id -> its texts' answers so far, not answered yet
-        self.finished: dict[str, Answer] = {}  # request id -> answer not yet replied
-        self.cond = threading.Condition()
+        self.running: dict[str, Reply] = {}  # request id -> its Reply, not yet returned to the frontend
+        self.cond = threading.Condition()  # a Reply that is done notifies it
         self.replied = float("-inf")  # time.monotonic() of the last return to the frontend
 
-    def settle(self, ticket: Ticket, answer_: Answer) -> None:
-        """From a lane thread: a text is done; once its request's texts all are, wake the call
-        waiting for it."""
+    def _wake(self) -> None:
+        """A Reply is done (from a lane thread): wake the call waiting for it."""
         with self.cond:
-            gather = self.running.get(ticket.rid)
-            if gather is not None and gather.add(ticket.item.part, answer_):
-                self.finished[ticket.rid] = gather.answer()
-                self.cond.notify_all()
+            self.cond.notify_all()
+
+    def _done(self, rid) -> bool:
+        reply = self.running.get(rid)
+        return reply is not None and reply.done()
 
     def handle(self, data: list, context) -> list:
         """Take in new requests, wait as `_wait_for_one`/`_wait_for_all` say, answer the finished
@@ -74,26 +74,24 @@ class ContinuousMode(ScheduledMode):
             items = prepare(w.model, w.edges, w.unfit, data, context, call, new, limits=w.config)
             if not alone and len(data) >= max(2, w.batch_size // 4) and not w.siblings.any_idle():
                 items = self._fit_call(items, call)  # a backlog in TorchServe's queue, every worker busy
-            with self.cond:  # held while admitting, so no lane can settle a ticket not yet in `running`
+            with self.cond:
                 for request in by_request(items):
-                    rid = mine[request[0].index]
-                    tickets = self.admit(request, context, arrived, self, call, rid=rid, may_wait=alone)
-                    if tickets:
-                        self.running[rid] = Gather.of(request, tickets[0].deadline)
+                    reply = self.admit(request, context, arrived, call, may_wait=alone)
+                    if reply is not None:
+                        self.running[mine[request[0].index]] = reply
+                        reply.on_done(self._wake)
                 if alone and all(a is None for a in call.answers):
                     self._wait_for_one(mine)
                 if not (alone and w.siblings.alone()):
                     self._wait_for_all(mine)
                 for index, rid in enumerate(mine):
-                    if rid in self.finished:
-                        call.settle(index, self.finished.pop(rid))
-                        del self.running[rid]
+                    if self._done(rid):
+                        call.settle(index, self.running.pop(rid).answer())
         except Exception as error:  # noqa: BLE001
             call.fail_unanswered(error)
             with self.cond:
                 for rid in mine:
                     self.running.pop(rid, None)
-                    self.finished.pop(rid, None)
         finally:
             w.siblings.in_call(False)
         for index, answered in enumerate(call.answers):
@@ -114,15 +112,16 @@ class ContinuousMode(ScheduledMode):
         (which already keeps `deadline_margin_ms` for the reply's way out). Called under cond."""
         poll = self.worker.config.poll_ms / 1000
         hold = max(poll, self.engine.free_in() - poll)
-        self.cond.wait_for(lambda: any(rid in self.finished for rid in mine), timeout=hold)
+        self.cond.wait_for(lambda: any(self._done(rid) for rid in mine), timeout=hold)
         while (left := self._reply_due(mine) - time.monotonic()) > 0:
             self.cond.wait(timeout=left)  # a lane that settles a request wakes it to look again
 
     def _reply_due(self, mine: list) -> float:
         """When the next reply may go: `reply_pace` after the previous one, or a finished request's
         deadline if that comes first. Called under cond."""
-        deadlines = [self.running[rid].deadline for rid in mine if rid in self.finished and self.running[rid].deadline]
-        return min([self.replied + reply_pace(len(self.running) - len(self.finished))] + deadlines)
+        deadlines = [self.running[rid].deadline for rid in mine if self._done(rid) and self.running[rid].deadline]
+        held = sum(1 for reply in self.running.values() if not reply.done())
+        return min([self.replied + reply_pace(held)] + deadlines)
 
     def _wait_for_all(self, mine: list) -> None:
         """A worker with siblings: answer every request of the call in this one reply, bounded by
@@ -133,12 +132,10 @@ class ContinuousMode(ScheduledMode):
         timeout = self.worker.response_timeout - 1.0
         if deadlines and len(deadlines) == len(running):
             timeout = min(timeout, max(deadlines) - time.monotonic() + 1.0)
-        done = self.cond.wait_for(lambda: all(rid in self.finished for rid in mine if rid in self.running),
-                                  timeout=timeout)
+        done = self.cond.wait_for(lambda: all(r.done() for r in running), timeout=timeout)
         if not done:
-            for rid in mine:
-                if rid in self.running and rid not in self.finished:
-                    self.finished[rid] = Answer(missed_deadline(), 0)
+            for reply in running:
+                reply.force(Answer(missed_deadline(), 0))
 
     def _fit_call(self, items: list[Item], call: Call) -> list[Item]:
         """A call with siblings that found a backlog (a quarter of batchSize or more: the frontend
@@ -150,9 +147,11 @@ class ContinuousMode(ScheduledMode):
         answered whole, and while every worker is inside a call new requests wait in TorchServe's
         queue, where the handler cannot see or shed them: short calls keep that wait short."""
         w = self.worker
-        lane_of = {bucket: i for i, lane in enumerate(self.engine.lanes) for bucket in lane}
-        costs = [(lane_of[item.bucket], w.pass_seconds(item.bucket) / w.cap_for(item.bucket)) for item in items]
-        budgets = [w.config.max_call_ms / 1000] * len(self.engine.lanes)
+        lanes = self.engine.buckets
+        lane_of = {bucket: i for i, lane in enumerate(lanes) for bucket in lane}
+        costs = [(lane_of[item.bucket], w.cost.p90(bucket=item.bucket, size=w.cap_for(item.bucket)) / w.cap_for(item.bucket))
+                 for item in items]
+        budgets = [w.config.max_call_ms / 1000] * len(lanes)
         shed = {item.index for item, fits in zip(items, within_budget(costs, budgets)) if not fits}
         for index in sorted(shed):  # a request of several texts is taken in whole or not at all
             w.metrics.rejected("call_full")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 
 from tsbatch.handlers.buckets import plan_batches
-from tsbatch.handlers.scheduler import Answer
-from tsbatch.handlers.stages import Call, answer, prepare
+from tsbatch.handlers.reply import Answer, Reply
+from tsbatch.handlers.stages import Call, answer, by_request, prepare
 
 
 class DefaultMode:
@@ -22,13 +22,16 @@ class DefaultMode:
         arrived = time.monotonic()
         try:
             items = prepare(w.model, w.edges, w.unfit, data, context, call, limits=w.config)
+            replies = {request[0].index: Reply.of(request) for request in by_request(items)}
             for batch in plan_batches(items, w.cap_for):
                 started = time.monotonic()
                 results, report = w.isolator.execute(batch)
                 finished = time.monotonic()
                 w.after_batch(batch, report)
                 for item, outcome in zip(batch.items, results):
-                    call.settle_item(item, Answer(outcome, len(data), batch.bucket, arrived, started, finished))
+                    replies[item.index].settle(item.part, Answer(outcome, len(data), batch.bucket, arrived, started, finished))
+            for index, reply in replies.items():
+                call.settle(index, reply.answer())
         except Exception as error:  # noqa: BLE001 - a bug here must not fail the worker
             call.fail_unanswered(error)
         return answer(call, context)

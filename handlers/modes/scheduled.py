@@ -1,7 +1,7 @@
-"""What the scheduler modes (continuous and async) share: tsbatch's scheduler and lane threads in
-the worker (handlers/scheduler.py, handlers/engine.py) form the batches, and each request is
-answered when its own batch ends. Admission reads the request's X-Priority and X-Deadline-Ms;
-a full queue answers 503 at once.
+"""What the scheduler modes (continuous and async) share: the worker's Policy decides, its Lanes
+run the plans (handlers/policy.py, handlers/lanes.py), and each request is answered on its own
+Reply when its last text's batch ends. Admission reads the request's X-Priority and X-Deadline-Ms;
+a full queue, or a deadline the lane cannot meet, answers 503 at once.
 """
 from __future__ import annotations
 
@@ -9,12 +9,23 @@ import logging
 
 from tsbatch.handlers import socket_guard
 from tsbatch.handlers.buckets import Item
-from tsbatch.handlers.engine import Engine
 from tsbatch.handlers.errors import BadInput, DeadlineExceeded, Overloaded, ServingError
-from tsbatch.handlers.scheduler import Answer, Priority, Scheduler, SchedulerPolicy, Ticket, Waiter
+from tsbatch.handlers.lanes import Lanes
+from tsbatch.handlers.policy import Policy, PolicySettings, Priority, Ticket
+from tsbatch.handlers.reply import Answer, Reply
 from tsbatch.handlers.stages import DEADLINE_HEADER, PRIORITY_HEADER, Call, request_headers
 
 logger = logging.getLogger(__name__)
+
+
+def policy_for(worker, lanes: list[tuple[tuple, int]]) -> Policy:
+    """The worker's Policy: its configuration, its caps, its cost model and its lanes."""
+    cfg = worker.config
+    settings = PolicySettings(
+        edges=worker.edges, max_wait=cfg.max_wait_ms / 1000, queue_cap=cfg.queue_cap,
+        age_bound=cfg.age_bound_ms / 1000, priority_aging=cfg.priority_aging_ms / 1000,
+    )
+    return Policy(settings, worker.cap_for, worker.cost, [lane for lane, _ in lanes], [t for _, t in lanes])
 
 
 class ScheduledMode:
@@ -24,46 +35,34 @@ class ScheduledMode:
         """`lanes`: the buckets each lane serves and the intra-op threads it gets."""
         self.worker = worker
         self.lanes = lanes
-        cfg = worker.config
-        policy = SchedulerPolicy(
-            edges=worker.edges, max_wait=cfg.max_wait_ms / 1000, queue_cap=cfg.queue_cap,
-            age_bound=cfg.age_bound_ms / 1000, priority_aging=cfg.priority_aging_ms / 1000,
-        )
-        logger.info("tsbatch scheduler (%s mode): lanes (buckets, threads) %s, policy %s", self.name, lanes, policy)
+        policy = policy_for(worker, lanes)
+        logger.info("tsbatch scheduler (%s mode): lanes (buckets, threads) %s, %s", self.name, lanes, policy.settings)
         socket_guard.install()
-        self.engine = Engine(Scheduler(policy, worker.cap_for, worker.typical_pass), worker.isolator, [lane for lane, _ in lanes],
-                             deliver=self.deliver, on_batch=self._on_batch, on_lane_start=self._on_lane_start,
-                             pass_seconds=worker.pass_seconds, typical_pass=worker.typical_pass).start()
+        self.engine = Lanes(policy, worker.isolator, on_answer=self._on_answer, on_batch=self._on_batch,
+                            on_lane_start=self._on_lane_start).start()
 
     def close(self) -> None:
         self.engine.stop()
 
-    def deliver(self, ticket: Ticket, answer: Answer) -> None:
-        """From a lane thread: hand the answer to whoever waits for the ticket."""
-        if isinstance(answer.outcome, DeadlineExceeded):
-            self.worker.metrics.deadline_missed(ticket.item.bucket)
-        ticket.waiter.settle(ticket, answer)
-
-    def admit(self, items: list[Item], context, arrived: float, waiter: Waiter, call: Call, rid: str = "",
-              may_wait: bool = True) -> list[Ticket]:
-        """Queue a request's items (one per text) in the scheduler, all or none, or answer in `call`
-        why it cannot be (bad headers, full queue, past its deadline)."""
+    def admit(self, items: list[Item], context, arrived: float, call: Call, may_wait: bool = True) -> Reply | None:
+        """Queue a request's items (one per text) whole, each ticket carrying the request's Reply,
+        or answer in `call` why it cannot be (bad headers, full queue, past its deadline): None."""
         index = items[0].index
         try:
-            tickets = [self._ticket(item, context, arrived) for item in items]
-            for ticket in tickets:
-                ticket.waiter, ticket.rid, ticket.may_wait = waiter, rid, may_wait
-            self.engine.submit(tickets)
-            return tickets
+            priority, deadline = self._terms(context, index, arrived)
+            reply = Reply.of(items, deadline)
+            self.engine.submit([Ticket(item, arrived, priority, deadline, reply, may_wait) for item in items])
+            return reply
         except ServingError as error:
             if isinstance(error, Overloaded):
                 self.worker.metrics.rejected(error.reason)
             call.fail(index, error)
-            return []
+            return None
 
-    def _ticket(self, item: Item, context, now: float) -> Ticket:
+    def _terms(self, context, index: int, now: float) -> tuple[Priority, float]:
+        """The request's priority and deadline (monotonic seconds), from its headers and the config."""
         cfg = self.worker.config
-        headers = request_headers(context, item.index)
+        headers = request_headers(context, index)
         priority = Priority.parse(headers.get(PRIORITY_HEADER))
         deadline_ms = cfg.deadline_ms
         if headers.get(DEADLINE_HEADER) is not None:
@@ -75,7 +74,11 @@ class ScheduledMode:
                 raise BadInput(f"X-Deadline-Ms must be positive, got {asked}")
             deadline_ms = min(deadline_ms, asked)  # a client may shorten the deadline, not extend it
         # the handler's own deadline ends deadline_margin_ms early, so the answer reaches the client in time
-        return Ticket(item, now, priority, now + max(0, deadline_ms - cfg.deadline_margin_ms) / 1000)
+        return priority, now + max(0, deadline_ms - cfg.deadline_margin_ms) / 1000
+
+    def _on_answer(self, ticket: Ticket, answer: Answer) -> None:
+        if isinstance(answer.outcome, DeadlineExceeded):
+            self.worker.metrics.deadline_missed(ticket.item.bucket)
 
     def _on_batch(self, batch, tickets, report, started: float, finished: float) -> None:
         for ticket in tickets:
@@ -84,4 +87,3 @@ class ScheduledMode:
 
     def _on_lane_start(self, index: int) -> None:
         self.worker.model.use_threads(self.lanes[index][1], background=index > 0)
-

@@ -13,8 +13,9 @@ import pytest
 from tsbatch.handlers.buckets import Item
 from tsbatch.handlers.errors import BadInput, Overloaded
 from tsbatch.handlers.parse import FORM, many, row_value
-from tsbatch.handlers.scheduler import Answer, Scheduler, SchedulerPolicy, Ticket
-from tsbatch.handlers.stages import BATCH_SIZE_HEADER, PADDED_HEADER, Gather
+from tsbatch.handlers.policy import Policy, PolicySettings, Ticket
+from tsbatch.handlers.reply import Answer, Reply
+from tsbatch.handlers.stages import BATCH_SIZE_HEADER, PADDED_HEADER
 from tests.unit.test_api import load
 
 pytestmark = pytest.mark.unit
@@ -202,23 +203,23 @@ def _item(part: int, parts: int, bucket: int = 4) -> Item:
     return Item(0, "", 1, bucket, None, part, parts)
 
 
-def test_gather_answers_once_every_text_is_in_and_names_the_first_failure():
-    gather = Gather(3)
-    assert not gather.add(2, Answer({"r": 2}, 1, 16, 1.0, 2.0, 3.0))
-    assert not gather.add(0, Answer({"r": 0}, 2, 4, 1.0, 1.5, 2.0))
-    assert gather.add(1, Answer({"r": 1}, 2, 4, 1.0, 1.5, 2.0))
+def test_a_reply_answers_once_every_text_is_in_and_names_the_first_failure():
+    gather = Reply(3)
+    assert not gather.settle(2, Answer({"r": 2}, 1, 16, 1.0, 2.0, 3.0))
+    assert not gather.settle(0, Answer({"r": 0}, 2, 4, 1.0, 1.5, 2.0))
+    assert gather.settle(1, Answer({"r": 1}, 2, 4, 1.0, 1.5, 2.0))
     answer = gather.answer()
     assert answer.outcome == [{"r": 0}, {"r": 1}, {"r": 2}] and answer.finished == 3.0 and answer.started == 1.5
-    failing = Gather(2)
-    failing.add(0, Answer({"r": 0}))
-    failing.add(1, Answer(BadInput("nope")))
+    failing = Reply(2)
+    failing.settle(0, Answer({"r": 0}))
+    failing.settle(1, Answer(BadInput("nope")))
     assert failing.answer().outcome.index == 1 and failing.answer().outcome.status == 400
-    assert Gather(0).add(0, Answer({"r": 9})) and Gather(0).answers == [None]
+    assert Reply(0).settle(0, Answer({"r": 9})) and Reply(0)._answers == [None]
 
 
 def test_the_queue_cap_counts_texts_and_takes_a_request_whole_or_not_at_all():
-    policy = SchedulerPolicy(edges=(4, 16), max_wait=0.0, queue_cap=5, age_bound=1.0, priority_aging=1.0)
-    scheduler = Scheduler(policy, cap_for=lambda bucket: 4)
+    policy = PolicySettings(edges=(4, 16), max_wait=0.0, queue_cap=5, age_bound=1.0, priority_aging=1.0)
+    scheduler = Policy(policy, cap_for=lambda bucket: 4)
     scheduler.submit_all([Ticket(_item(i, 3), 0.0) for i in range(3)])
     with pytest.raises(Overloaded, match="this request has 3"):
         scheduler.submit_all([Ticket(_item(i, 3), 0.0) for i in range(3)])

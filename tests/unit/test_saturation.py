@@ -7,8 +7,8 @@ from bench.saturation import classify, gil_shares, per_core, read_samples
 
 pytestmark = pytest.mark.unit
 
-LANE = ("_bootstrap (threading.py:1002);_lane (tsbatch/handlers/engine.py:120);"
-        "_step (tsbatch/handlers/engine.py:143)")
+LANE = ("_bootstrap (threading.py:1002);_lane (tsbatch/handlers/lanes.py:96);"
+        "_step (tsbatch/handlers/lanes.py:104)")
 MAIN = ("<module> (ts/model_service_worker.py:301);handle_connection (ts/model_service_worker.py:185);"
         "predict (ts/service.py:135);handle (tsbatch/handlers/modes/continuous_mode.py:85)")
 
@@ -22,7 +22,7 @@ def test_a_pass_is_a_forward_pass_and_a_wait_is_named_by_its_waiter():
     assert classify(encode.split(";")) == "response encoding (JSON)"
     read = "<module> (ts/model_service_worker.py:301);retrieve_msg (ts/protocol/otf_message_handler.py:40);recv (socket.py:1)"
     assert classify(read.split(";")) == "TorchServe protocol: reading calls (recv per field, parsing)"
-    assert classify(f"{LANE};expire (tsbatch/handlers/scheduler.py:145)".split(";")) == "other: scheduler.py:expire"
+    assert classify(f"{LANE};expire (tsbatch/handlers/policy.py:245)".split(";")) == "other: policy.py:expire"
 
 
 def test_read_samples_gives_each_thread_its_shares(tmp_path):

@@ -25,7 +25,7 @@ from tsbatch.archiver.tune import (
     tune,
 )
 from tsbatch.handlers.config import HandlerConfig
-from tsbatch.handlers.engine import split_lanes
+from tsbatch.handlers.policy import split_lanes
 from tsbatch.warmup.profile import LatencyProfile, ShapeTiming
 
 pytestmark = pytest.mark.unit

@@ -11,7 +11,7 @@ from tsbatch.handlers.api import BadInput, Batch, Model, Request
 from tsbatch.handlers.buckets import (bucket_for, bucket_grid, bucket_label, config_key, edges_per_size, holds,
                                       longest, parse_bucket, plan_batches, Item)
 from tsbatch.handlers.config import HandlerConfig
-from tsbatch.handlers.engine import split_lanes
+from tsbatch.handlers.policy import split_lanes
 from tsbatch.handlers.errors import ConfigError
 from tsbatch.handlers.stages import PADDED_HEADER
 from tsbatch.handlers.tsbatch_handler import TsbatchHandler

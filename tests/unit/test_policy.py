@@ -1,4 +1,5 @@
-"""tsbatch.handlers.scheduler: per-bucket queues, readiness, ordering, priority, deadlines, queue cap.
+"""tsbatch.handlers.policy: per-bucket queues, readiness, ordering, priority, deadlines, queue cap,
+and a lane's plan (schedule / finished).
 
 Time is a fake clock: plain floats passed as `now` (and as each ticket's `arrived`); nothing sleeps.
 Unless a test says otherwise the policy has priority aging off (classes are exact) and a huge
@@ -12,7 +13,8 @@ import pytest
 
 from tsbatch.handlers.buckets import batch_cap, Batch, Item
 from tsbatch.handlers.errors import BadInput, Overloaded
-from tsbatch.handlers.scheduler import Priority, Scheduler, SchedulerPolicy, Ticket
+from tsbatch.handlers.cost import CostModel
+from tsbatch.handlers.policy import Plan, Policy, PolicySettings, Priority, Ticket, within_budget
 
 pytestmark = pytest.mark.unit
 
@@ -24,16 +26,17 @@ HIGH, NORMAL, LOW = Priority.HIGH, Priority.NORMAL, Priority.LOW
 _counter = itertools.count()
 
 
-def make_scheduler(policy: SchedulerPolicy, cap_for=None, tokens: int = TOKENS) -> Scheduler:
-    """A Scheduler whose caps are the token budget alone, unless a test gives its own."""
-    return Scheduler(policy, cap_for or (lambda bucket: batch_cap(bucket, tokens)))
+def make_scheduler(policy: PolicySettings, cap_for=None, tokens: int = TOKENS, cost: CostModel | None = None) -> Policy:
+    """A Policy whose caps are the token budget alone, unless a test gives its own; no cost model
+    unless a test gives one."""
+    return Policy(policy, cap_for or (lambda bucket: batch_cap(bucket, tokens)), cost)
 
 
-def policy(**overrides) -> SchedulerPolicy:
+def policy(**overrides) -> PolicySettings:
     values = dict(edges=EDGES, max_wait=0.5, queue_cap=10_000,
                   age_bound=1_000.0, priority_aging=0.0)
     values.update(overrides)
-    return SchedulerPolicy(**values)
+    return PolicySettings(**values)
 
 
 def ticket(bucket: int, arrived: float = 0.0, priority: Priority = NORMAL,
@@ -43,16 +46,16 @@ def ticket(bucket: int, arrived: float = 0.0, priority: Priority = NORMAL,
     return Ticket(item, arrived, priority, deadline)
 
 
-def submit(scheduler: Scheduler, bucket: int, count: int, arrived: float = 0.0,
+def submit(scheduler: Policy, bucket: int, count: int, arrived: float = 0.0,
            priority: Priority = NORMAL) -> list[Ticket]:
     tickets = [ticket(bucket, arrived, priority) for _ in range(count)]
     for t in tickets:
-        scheduler.submit(t)
+        scheduler.submit_all([t])
     return tickets
 
 
-def take(scheduler: Scheduler, now: float, buckets=None) -> tuple[Batch, list[Ticket]]:
-    picked = scheduler.next_batch(now, buckets)
+def take(scheduler: Policy, now: float, buckets=None) -> tuple[Batch, list[Ticket]]:
+    picked = scheduler.pick(now, buckets)
     assert picked is not None, f"no batch ready at {now}"
     batch, tickets = picked
     assert batch.items == tuple(t.item for t in tickets), "the batch and its tickets disagree"
@@ -64,7 +67,7 @@ def ids(tickets) -> list[int]:
     return [id(t) for t in tickets]
 
 
-def all_queued(scheduler: Scheduler) -> list[Ticket]:
+def all_queued(scheduler: Policy) -> list[Ticket]:
     return [t for queue in scheduler.queues.values() for t in queue]
 
 
@@ -74,7 +77,7 @@ def test_tickets_go_to_their_bucket_queue():
     s = make_scheduler(policy())
     a, b, c, d = ticket(16), ticket(64), ticket(16), ticket(256)
     for t in (a, b, c, d):
-        s.submit(t)
+        s.submit_all([t])
     assert set(s.queues) == set(EDGES)
     assert ids(s.queues[16]) == ids([a, c])
     assert ids(s.queues[64]) == ids([b])
@@ -86,7 +89,7 @@ def test_tickets_go_to_their_bucket_queue():
 def test_empty_scheduler_has_nothing_to_do():
     s = make_scheduler(policy())
     assert len(s) == 0
-    assert s.next_batch(1e6) is None
+    assert s.pick(1e6) is None
     assert s.time_until_ready(0.0) is None
     assert s.expire(1e6) == []
 
@@ -97,7 +100,7 @@ def test_empty_scheduler_has_nothing_to_do():
 def test_full_bucket_leaves_at_once_and_not_one_ticket_earlier(edge):
     s = make_scheduler(policy(max_wait=100.0))
     first = submit(s, edge, CAP[edge] - 1)
-    assert s.next_batch(0.0) is None  # one short of the budget: waits
+    assert s.pick(0.0) is None  # one short of the budget: waits
     last = submit(s, edge, 1)
     batch, tickets = take(s, 0.0)  # no time has passed: the budget alone makes it ready
     assert batch.bucket == edge
@@ -110,12 +113,12 @@ def test_a_full_bucket_gives_exactly_cap_tickets_and_keeps_the_rest():
     s = make_scheduler(policy(max_wait=100.0))
     tickets = [ticket(64, arrived=i) for i in range(6)]  # cap 4
     for t in tickets:
-        s.submit(t)
+        s.submit_all([t])
     batch, taken = take(s, 6.0)
     assert batch.size == 4
     assert ids(taken) == ids(tickets[:4])  # the oldest go first
     assert ids(s.queues[64]) == ids(tickets[4:])
-    assert s.next_batch(6.0) is None  # two left: not full, and not old enough
+    assert s.pick(6.0) is None  # two left: not full, and not old enough
 
 
 def test_custom_cap_for_decides_when_a_bucket_is_full():
@@ -128,7 +131,7 @@ def test_custom_cap_for_decides_when_a_bucket_is_full():
 
     s = make_scheduler(policy(max_wait=100.0), cap_for=cap_for)
     submit(s, 32, 2)
-    assert s.next_batch(0.0) is None  # 2 < 3
+    assert s.pick(0.0) is None  # 2 < 3
     submit(s, 32, 2)
     batch, _ = take(s, 0.0)
     assert (batch.bucket, batch.size) == (32, 2)  # full at cap_for's 3 (not 256 // 32 = 8); a power of two leaves
@@ -148,13 +151,13 @@ def test_budget_smaller_than_the_edge_still_allows_one():
 def test_partial_batch_leaves_after_max_wait_and_not_before():
     s = make_scheduler(policy(max_wait=0.5))
     first = ticket(64, arrived=10.0)
-    s.submit(first)
-    assert s.next_batch(10.0) is None
+    s.submit_all([first])
+    assert s.pick(10.0) is None
     assert s.time_until_ready(10.0) == pytest.approx(0.5)
     assert s.time_until_ready(10.2) == pytest.approx(0.3)
     second = ticket(64, arrived=10.4)
-    s.submit(second)
-    assert s.next_batch(10.49) is None
+    s.submit_all([second])
+    assert s.pick(10.49) is None
     assert s.time_until_ready(10.45) == pytest.approx(0.05)  # counted from the oldest, not the newest
     batch, taken = take(s, 10.5)
     assert batch.size == 2
@@ -165,53 +168,52 @@ def test_partial_batch_leaves_after_max_wait_and_not_before():
 
 def test_time_until_ready_is_never_negative():
     s = make_scheduler(policy(max_wait=0.5))
-    s.submit(ticket(64, arrived=0.0))
+    s.submit_all([ticket(64, arrived=0.0)])
     assert s.time_until_ready(0.7) == 0.0
 
 
 def test_time_until_ready_takes_the_soonest_bucket():
     s = make_scheduler(policy(max_wait=0.5))
-    s.submit(ticket(128, arrived=0.0))
-    s.submit(ticket(32, arrived=0.3))
-    s.submit(ticket(64, arrived=0.1))
+    s.submit_all([ticket(128, arrived=0.0)])
+    s.submit_all([ticket(32, arrived=0.3)])
+    s.submit_all([ticket(64, arrived=0.1)])
     assert s.time_until_ready(0.3) == pytest.approx(0.2)  # 128's ticket, due at 0.5
 
 
 def test_a_bucket_holds_for_company_only_while_the_worker_needs_batches():
-    """With a latency profile the hold is handlers/waiting.py's: while arrivals come less often
+    """With a latency profile the hold is Policy.release's: while arrivals come less often
     than one per two single-request passes a request runs at once; faster, it holds max_wait."""
-    s = Scheduler(policy(max_wait=0.5), lambda bucket: batch_cap(bucket, TOKENS),
-                  pass_time=lambda size, bucket: 0.010 + 0.0001 * size)
+    s = make_scheduler(policy(max_wait=0.5), cost=CostModel(median=lambda *, bucket, size: 0.010 + 0.0001 * size))
     first = ticket(16, arrived=0.0)
-    s.submit(first)
+    s.submit_all([first])
     assert s.time_until_ready(0.0, [16]) == 0.0  # nothing known of the traffic: run now
     assert ids(take(s, 0.0)[1]) == ids([first])
     for at in (0.1, 0.2, 0.3):  # one every 100 ms: a pass of one (10 ms) keeps up
-        s.submit(ticket(16, arrived=at))
+        s.submit_all([ticket(16, arrived=at)])
         assert len(take(s, at)[1]) == 1
     for at in (0.301, 0.302, 0.303, 0.304):  # now most gaps are a millisecond: fill batches
-        s.submit(ticket(16, arrived=at))
-    assert s.next_batch(0.304) is None
+        s.submit_all([ticket(16, arrived=at)])
+    assert s.pick(0.304) is None
     assert s.time_until_ready(0.304, [16]) == pytest.approx(0.301 + 0.5 - 0.304)
     assert len(take(s, 0.801)[1]) == 4  # the oldest's max_wait is up: one pass for all four
 
 
 def test_shortest_ready_bucket_goes_first_even_when_the_longer_one_is_older():
     s = make_scheduler(policy(max_wait=0.5))
-    s.submit(ticket(256, arrived=0.0))  # cap 1: ready at once
-    s.submit(ticket(32, arrived=0.1))  # ready by age at 0.6
+    s.submit_all([ticket(256, arrived=0.0)])  # cap 1: ready at once
+    s.submit_all([ticket(32, arrived=0.1)])  # ready by age at 0.6
     assert take(s, 0.0)[0].bucket == 256  # the only ready one
-    s.submit(ticket(256, arrived=0.2))
+    s.submit_all([ticket(256, arrived=0.2)])
     assert take(s, 0.6)[0].bucket == 32
     assert take(s, 0.6)[0].bucket == 256
 
 
 def test_an_unready_shorter_bucket_does_not_hold_back_a_ready_longer_one():
     s = make_scheduler(policy(max_wait=0.5))
-    s.submit(ticket(16, arrived=0.0))
+    s.submit_all([ticket(16, arrived=0.0)])
     submit(s, 64, CAP[64], arrived=0.0)
     assert take(s, 0.1)[0].bucket == 64
-    assert s.next_batch(0.1) is None
+    assert s.pick(0.1) is None
 
 
 def test_shortest_first_holds_with_default_aging_for_tickets_of_the_same_class():
@@ -224,7 +226,7 @@ def test_shortest_first_holds_with_default_aging_for_tickets_of_the_same_class()
 def test_starving_bucket_goes_first_even_if_a_shorter_one_is_ready():
     s = make_scheduler(policy(max_wait=0.5, age_bound=2.0))
     long = ticket(128, arrived=0.0)
-    s.submit(long)
+    s.submit_all([long])
     submit(s, 16, CAP[16], arrived=1.9)
     assert take(s, 1.99)[0].bucket == 16  # the long ticket is ready but not yet starving
     submit(s, 16, CAP[16], arrived=1.99)
@@ -235,8 +237,8 @@ def test_starving_bucket_goes_first_even_if_a_shorter_one_is_ready():
 
 def test_starving_buckets_go_oldest_first():
     s = make_scheduler(policy(max_wait=0.5, age_bound=2.0))
-    s.submit(ticket(256, arrived=0.0))
-    s.submit(ticket(128, arrived=0.5))
+    s.submit_all([ticket(256, arrived=0.0)])
+    s.submit_all([ticket(128, arrived=0.5)])
     submit(s, 16, CAP[16], arrived=3.0)
     assert [take(s, 3.0)[0].bucket for _ in range(3)] == [256, 128, 16]
 
@@ -247,7 +249,7 @@ def test_a_stream_of_ready_short_batches_cannot_starve_a_long_ticket(short_prior
     age_bound, step = 2.0, 0.35
     s = make_scheduler(policy(max_wait=0.1, age_bound=age_bound))
     long = ticket(128, arrived=0.0)
-    s.submit(long)
+    s.submit_all([long])
     served_at = None
     order = []
     for n in range(100):
@@ -288,11 +290,11 @@ def test_inside_a_bucket_the_best_tickets_go_first_in_arrival_order():
     plan = [LOW, NORMAL, HIGH, LOW, HIGH, NORMAL]  # bucket 64: cap 4
     tickets = [ticket(64, arrived=i * 0.1, priority=p) for i, p in enumerate(plan)]
     for t in tickets:
-        s.submit(t)
+        s.submit_all([t])
     _, first = take(s, 0.6)
     assert ids(first) == ids([tickets[2], tickets[4], tickets[1], tickets[5]])
     assert ids(s.queues[64]) == ids([tickets[0], tickets[3]])  # the low ones wait
-    assert s.next_batch(0.6) is None
+    assert s.pick(0.6) is None
     _, second = take(s, 1.0)  # the oldest (a low one) has waited max_wait
     assert ids(second) == ids([tickets[0], tickets[3]])
 
@@ -313,8 +315,8 @@ def test_a_low_ticket_that_waited_two_aging_periods_counts_as_high_inside_a_buck
         s = make_scheduler(policy(max_wait=0.0, priority_aging=1.0), cap_for=lambda b: 1)
         low = ticket(64, arrived=0.0, priority=LOW)
         high = ticket(64, arrived=1.5, priority=HIGH)
-        s.submit(low)
-        s.submit(high)
+        s.submit_all([low])
+        s.submit_all([high])
         return take(s, now)[1][0], low, high
 
     served, low, high = first_served(1.9)  # not yet aged enough: high goes first
@@ -326,8 +328,8 @@ def test_a_low_ticket_that_waited_two_aging_periods_counts_as_high_inside_a_buck
 def test_a_low_ticket_that_waited_two_aging_periods_counts_as_high_across_buckets():
     def first_bucket(now: float) -> int:
         s = make_scheduler(policy(max_wait=0.0, priority_aging=1.0))
-        s.submit(ticket(16, arrived=0.0, priority=LOW))
-        s.submit(ticket(256, arrived=now, priority=HIGH))
+        s.submit_all([ticket(16, arrived=0.0, priority=LOW)])
+        s.submit_all([ticket(256, arrived=now, priority=HIGH)])
         return take(s, now)[0].bucket
 
     assert first_bucket(1.9) == 256
@@ -338,8 +340,8 @@ def test_a_ticket_that_gained_a_class_keeps_its_arrival_order_in_that_class():
     s = make_scheduler(policy(max_wait=0.0, priority_aging=1.0), cap_for=lambda b: 1)
     low = ticket(64, arrived=0.0, priority=LOW)
     normal = ticket(64, arrived=0.7, priority=NORMAL)
-    s.submit(low)
-    s.submit(normal)
+    s.submit_all([low])
+    s.submit_all([normal])
     assert take(s, 1.2)[1][0] is low
 
 
@@ -353,7 +355,7 @@ def test_expire_removes_and_returns_exactly_the_tickets_past_their_deadline():
     later = ticket(64, deadline=3.0)
     never = ticket(256, deadline=None)
     for t in (past, later, due, never, due_too):
-        s.submit(t)
+        s.submit_all([t])
 
     expired = s.expire(2.0)
     assert sorted(ids(expired)) == sorted(ids([past, due, due_too]))  # deadline <= now
@@ -365,33 +367,35 @@ def test_expire_removes_and_returns_exactly_the_tickets_past_their_deadline():
 
 
 def test_expire_with_a_lead_removes_tickets_that_could_not_finish_in_time():
-    s = make_scheduler(policy())
+    lead = {16: 0.1, 256: 0.5}.get  # the lead: the cost model's p90 of the bucket's pass
+    s = make_scheduler(policy(), cost=CostModel(p90=lambda *, bucket, size: lead(bucket, 0.0)))
     tight_short = ticket(16, deadline=1.05)  # a 16-token pass takes 0.1 s: 1.0 + 0.1 > 1.05
     fine_short = ticket(16, deadline=1.2)
     tight_long = ticket(256, deadline=1.4)  # a 256-token pass takes 0.5 s: 1.0 + 0.5 > 1.4
     fine_long = ticket(256, deadline=1.6)
     for t in (tight_short, fine_short, tight_long, fine_long):
-        s.submit(t)
-    lead = {16: 0.1, 256: 0.5}.get
+        s.submit_all([t])
 
-    expired = s.expire(1.0, lambda bucket: lead(bucket, 0.0))
+    expired = s.expire(1.0)
     assert sorted(ids(expired)) == sorted(ids([tight_short, tight_long]))
     assert sorted(ids(all_queued(s))) == sorted(ids([fine_short, fine_long]))
 
 
 def test_time_until_ready_wakes_a_lane_when_a_ticket_must_expire_not_at_its_deadline():
     s = make_scheduler(policy(max_wait=5.0))
-    s.submit(ticket(64, arrived=0.0, deadline=1.0))
+    s.submit_all([ticket(64, arrived=0.0, deadline=1.0)])
     assert s.time_until_ready(0.0) == pytest.approx(1.0)
-    assert s.time_until_ready(0.0, lead=lambda bucket: 0.3) == pytest.approx(0.7)
+    led = make_scheduler(policy(max_wait=5.0), cost=CostModel(p90=lambda *, bucket, size: 0.3))  # a 0.3 s lead
+    led.submit_all([ticket(64, arrived=0.0, deadline=1.0)])
+    assert led.time_until_ready(0.0) == pytest.approx(0.7)
 
 
 def test_expired_tickets_never_reach_a_batch():
     s = make_scheduler(policy(max_wait=0.0))
     gone = ticket(64, deadline=1.0)
     kept = ticket(64, deadline=5.0)
-    s.submit(gone)
-    s.submit(kept)
+    s.submit_all([gone])
+    s.submit_all([kept])
     s.expire(1.0)
     _, taken = take(s, 1.0)
     assert ids(taken) == ids([kept])
@@ -399,11 +403,11 @@ def test_expired_tickets_never_reach_a_batch():
 
 def test_time_until_ready_accounts_for_deadlines():
     s = make_scheduler(policy(max_wait=0.5))
-    s.submit(ticket(64, arrived=0.0, deadline=0.2))
+    s.submit_all([ticket(64, arrived=0.0, deadline=0.2)])
     assert s.time_until_ready(0.0) == pytest.approx(0.2)  # the deadline comes before max_wait
     assert s.time_until_ready(0.15) == pytest.approx(0.05)
     assert s.time_until_ready(0.3) == 0.0  # already past: wake now
-    s.submit(ticket(128, arrived=0.0, deadline=0.1))
+    s.submit_all([ticket(128, arrived=0.0, deadline=0.1)])
     # another bucket's deadline wakes this lane too: an idle lane expires what a busy one cannot
     assert s.time_until_ready(0.0, [64]) == pytest.approx(0.1)
     assert s.time_until_ready(0.0, [128]) == pytest.approx(0.1)
@@ -412,7 +416,7 @@ def test_time_until_ready_accounts_for_deadlines():
 
 def test_a_deadline_after_max_wait_does_not_shorten_the_wait():
     s = make_scheduler(policy(max_wait=0.5))
-    s.submit(ticket(64, arrived=0.0, deadline=9.0))
+    s.submit_all([ticket(64, arrived=0.0, deadline=9.0)])
     assert s.time_until_ready(0.0) == pytest.approx(0.5)
 
 
@@ -422,12 +426,12 @@ def test_queue_cap_raises_overloaded_and_accepts_again_after_a_batch():
     s = make_scheduler(policy(queue_cap=5, max_wait=0.5))
     accepted = [ticket(edge) for edge in (16, 16, 64, 128, 256)]
     for t in accepted:
-        s.submit(t)  # exactly queue_cap fit
+        s.submit_all([t])  # exactly queue_cap fit
     assert len(s) == 5
 
     refused = ticket(32)
     with pytest.raises(Overloaded) as caught:
-        s.submit(refused)
+        s.submit_all([refused])
     assert caught.value.status == 503
     assert "5" in caught.value.message
     assert len(s) == 5
@@ -435,10 +439,10 @@ def test_queue_cap_raises_overloaded_and_accepts_again_after_a_batch():
 
     take(s, 0.0)  # 256 is full at one ticket
     assert len(s) == 4
-    s.submit(refused)
+    s.submit_all([refused])
     assert len(s) == 5
     with pytest.raises(Overloaded):
-        s.submit(ticket(32))
+        s.submit_all([ticket(32)])
 
 
 # -- Priority.parse ------------------------------------------------------------------------------
@@ -474,15 +478,15 @@ def test_priority_order():
     assert HIGH < NORMAL < LOW
 
 
-# -- lanes: next_batch and time_until_ready restricted to some buckets -----------------------------
+# -- lanes: pick and time_until_ready restricted to some buckets -----------------------------
 
 SHORT_LANE, LONG_LANE = (16, 32, 64), (128, 256)
 
 
-def test_next_batch_only_takes_from_the_given_buckets():
+def test_pick_only_takes_from_the_given_buckets():
     s = make_scheduler(policy(max_wait=100.0, age_bound=1.0))
     long = submit(s, 256, 1, arrived=0.0, priority=HIGH)  # ready, high and starving
-    assert s.next_batch(5.0, SHORT_LANE) is None
+    assert s.pick(5.0, SHORT_LANE) is None
     short = submit(s, 16, CAP[16], arrived=5.0, priority=LOW)
     batch, taken = take(s, 5.0, SHORT_LANE)
     assert batch.bucket == 16 and ids(taken) == ids(short)
@@ -495,10 +499,10 @@ def test_next_batch_only_takes_from_the_given_buckets():
 
 def test_time_until_ready_only_looks_at_the_given_buckets():
     s = make_scheduler(policy(max_wait=0.5))
-    s.submit(ticket(256, arrived=0.0))
+    s.submit_all([ticket(256, arrived=0.0)])
     assert s.time_until_ready(0.0, SHORT_LANE) is None
     assert s.time_until_ready(0.0, LONG_LANE) == pytest.approx(0.5)
-    s.submit(ticket(32, arrived=0.0))
+    s.submit_all([ticket(32, arrived=0.0)])
     assert s.time_until_ready(0.0, SHORT_LANE) == pytest.approx(0.5)
 
 
@@ -507,22 +511,135 @@ def test_a_ticket_that_may_not_wait_makes_its_bucket_ready_at_once():
     waiting for company would only add latency."""
     scheduler = make_scheduler(policy(max_wait=0.5))
     waiting = ticket(16, arrived=0.0)
-    scheduler.submit(waiting)
-    assert scheduler.next_batch(0.1) is None
+    scheduler.submit_all([waiting])
+    assert scheduler.pick(0.1) is None
     assert scheduler.time_until_ready(0.1) == pytest.approx(0.4)
     closed = ticket(16, arrived=0.1)
     closed.may_wait = False
-    scheduler.submit(closed)
+    scheduler.submit_all([closed])
     assert scheduler.time_until_ready(0.1) == 0.0
-    batch, tickets = scheduler.next_batch(0.1)
+    batch, tickets = scheduler.pick(0.1)
     assert tickets == [waiting, closed] and batch.bucket == 16
 
 
 def test_within_budget_fills_each_lane_up_to_its_seconds_and_always_takes_a_lanes_first():
-    from tsbatch.handlers.scheduler import within_budget
-
     costs = [(0, 0.1), (0, 0.1), (1, 0.9), (0, 0.25), (1, 0.2), (0, 0.05), (1, 0.05)]
     assert within_budget(costs, [0.3, 0.3]) == [True, True, True, False, False, True, False]
     assert within_budget(costs, [0.3, 1.2]) == [True, True, True, False, True, True, True]
     assert within_budget([(0, 5.0), (0, 0.1)], [0.3]) == [True, False]  # the first always fits
     assert within_budget([], [1.0]) == []
+
+
+# -- a lane's plan: schedule and finished, on a fake clock --------------------------------------------
+
+def two_lanes(cost: CostModel | None = None, **overrides) -> Policy:
+    """The short lane (16, 32, 64) on 2 intra-op threads, the long lane (128, 256) on 1."""
+    return Policy(policy(**overrides), lambda bucket: batch_cap(bucket, TOKENS), cost,
+                  lanes=[SHORT_LANE, LONG_LANE], threads=[2, 1])
+
+
+def flat(seconds: float) -> CostModel:
+    """Every pass takes `seconds`, median and p90 alike."""
+    return CostModel(median=lambda *, bucket, size: seconds, p90=lambda *, bucket, size: seconds)
+
+
+def test_a_plan_names_its_lane_batch_tickets_threads_and_the_pass_it_expects():
+    p = two_lanes(CostModel(median=lambda *, bucket, size: 0.001 * bucket * size), max_wait=100.0)
+    tickets = submit(p, 64, CAP[64], arrived=1.0)  # full: ready at once
+    submit(p, 256, 1, arrived=1.0)
+    plan = p.schedule(0, 2.0)
+    assert isinstance(plan, Plan) and plan.lane == 0 and not plan.idle
+    assert (plan.batch.bucket, plan.batch.size) == (64, 4)
+    assert ids(plan.tickets) == ids(tickets) and plan.batch.items == tuple(t.item for t in tickets)
+    assert plan.threads == 2 and plan.expired == () and plan.wait is None
+    assert plan.started == 2.0 and plan.typical == pytest.approx(0.256)  # the cost model's median of 4 x 64
+    assert p.busy == [True, False] and p.lanes[0].running == 64
+    assert len(p.queues[256]) == 1 and len(p.queues[64]) == 0  # the long lane's ticket is left to it
+    long_plan = p.schedule(1, 2.0)
+    assert (long_plan.lane, long_plan.batch.bucket, long_plan.threads) == (1, 256, 1)
+    assert p.busy == [True, True]
+
+
+def test_tickets_that_can_no_longer_finish_come_back_in_the_plan_to_be_answered():
+    p = two_lanes(flat(0.5), max_wait=100.0)
+    doomed = ticket(256, arrived=0.0, deadline=1.2)  # 1.0 + a 0.5 s pass ends past 1.2
+    fine = ticket(256, arrived=0.0, deadline=9.0)
+    other_lane = ticket(16, arrived=0.0, deadline=1.1)  # a short lane's ticket expires from any lane
+    p.submit_all([doomed, fine])
+    p.submit_all([other_lane])
+    plan = p.schedule(1, 1.0)
+    assert sorted(ids(plan.expired)) == sorted(ids([doomed, other_lane]))
+    assert ids(plan.tickets) == ids([fine]) and plan.batch.bucket == 256  # and what can still finish runs
+    assert len(p) == 0
+    p.finished(plan, 1.5)
+    assert p.schedule(1, 1.5).idle
+
+
+def test_a_plan_of_expired_tickets_alone_runs_no_batch_and_says_no_wait():
+    p = two_lanes(flat(0.5), max_wait=100.0)
+    doomed = ticket(16, arrived=0.0, deadline=1.2)
+    p.submit_all([doomed])
+    plan = p.schedule(0, 1.0)
+    assert ids(plan.expired) == ids([doomed]) and plan.batch is None and plan.tickets == ()
+    assert not plan.idle and plan.wait is None and p.busy == [False, False]  # answering 504s is no pass
+
+
+def test_with_nothing_ready_the_plan_is_to_wait_until_the_first_bucket_is_due():
+    p = two_lanes(max_wait=0.5)
+    submit(p, 32, 1, arrived=1.0)
+    plan = p.schedule(0, 1.2)
+    assert plan.idle and plan.batch is None and plan.wait == pytest.approx(0.3)
+    assert p.schedule(1, 1.2).wait is None  # the long lane has nothing of its own, and 32's lane is idle
+    assert p.busy == [False, False]
+    assert p.schedule(0, 1.5).batch.bucket == 32
+
+
+def test_finished_frees_the_lane_and_its_pace_learns_how_long_the_pass_took():
+    p = two_lanes(flat(0.1), max_wait=100.0)
+    submit(p, 64, CAP[64], arrived=0.0)
+    plan = p.schedule(0, 1.0)
+    assert p.busy == [True, False] and p.free_in(1.0) == 0.0  # the long lane is idle
+    p.finished(plan, 1.2)  # twice the typical 0.1 s
+    assert p.busy == [False, False] and p.lanes[0].running is None
+    assert p.lanes[0].load.pace == pytest.approx(1.2)  # a fifth of the way from 1 to 2
+    assert p.lanes[0].load.idle_share(1.2) == pytest.approx(0.9)  # 0.2 s of its own work over a 2 s horizon
+    p.finished(p.schedule(0, 1.2), 5.0)  # an idle plan: nothing learnt
+    assert p.lanes[0].load.pace == pytest.approx(1.2)
+
+
+def test_free_in_is_until_the_first_busy_lanes_typical_end():
+    p = two_lanes(CostModel(median=lambda *, bucket, size: {64: 0.4, 256: 2.0}[bucket]), max_wait=100.0)
+    submit(p, 64, CAP[64], arrived=0.0)
+    submit(p, 256, 1, arrived=0.0)
+    short, long = p.schedule(0, 1.0), p.schedule(1, 1.0)
+    assert p.free_in(1.1) == pytest.approx(0.3)
+    assert p.free_in(1.6) == pytest.approx(0.04)  # overran: a tenth of its typical time
+    p.finished(short, 1.6)
+    assert p.free_in(1.6) == 0.0
+
+
+def test_a_later_lane_helps_a_busy_earlier_one_and_that_counts_as_its_own_work():
+    p = two_lanes(flat(0.1), max_wait=100.0)
+    first = submit(p, 64, CAP[64], arrived=0.0)
+    second = submit(p, 64, CAP[64], arrived=0.0)
+    assert ids(p.schedule(0, 1.0).tickets) == ids(first)
+    helping = p.schedule(1, 1.0)  # nothing of its own: the short lane is busy, so it runs short work
+    assert ids(helping.tickets) == ids(second) and helping.threads == 1
+    assert p.lanes[1].running == 64
+    p.finished(helping, 1.1)
+    assert p.lanes[1].load.idle_share(1.1) == pytest.approx(0.95)  # helping an earlier lane is its own time
+
+
+def test_an_earlier_lane_takes_over_from_a_later_one_that_fell_behind_on_time_it_had_to_spare():
+    p = two_lanes(flat(0.1), max_wait=100.0)
+    submit(p, 256, 1, arrived=0.0)
+    running = p.schedule(1, 1.0)
+    queued = submit(p, 256, 2, arrived=0.0)  # two passes queued: not behind
+    assert p.schedule(0, 1.0).idle
+    queued += submit(p, 256, 1, arrived=0.0)  # three: behind
+    plan = p.schedule(0, 1.0)
+    assert plan.lane == 0 and plan.batch.bucket == 256 and ids(plan.tickets) == ids(queued[:1])
+    p.finished(plan, 1.1)
+    p.finished(running, 1.1)
+    assert p.lanes[0].load.idle_share(1.1) == 1.0  # a later lane's work is not its own
+    assert p.lanes[1].load.idle_share(1.1) < 1.0

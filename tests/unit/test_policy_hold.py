@@ -1,7 +1,7 @@
-"""handlers/waiting.py: a bucket holds for company only while waiting pays, checked with a fake
-clock on light, bursty and heavy arrival patterns through the real Scheduler, one lane served the
-way the engine serves it (a free lane takes the next ready batch, else sleeps until the scheduler's
-next due time or the next arrival)."""
+"""Policy.release: a bucket holds for company only while waiting pays, checked with a fake clock on
+light, bursty and heavy arrival patterns through the real Policy, one lane served the way the lanes
+serve it (a free lane takes the next ready batch, else sleeps until the policy's next due time or
+the next arrival)."""
 from __future__ import annotations
 
 import math
@@ -10,8 +10,8 @@ import random
 import pytest
 
 from tsbatch.handlers.buckets import Item
-from tsbatch.handlers.scheduler import Scheduler, SchedulerPolicy, Ticket
-from tsbatch.handlers.waiting import Arrivals, release_at
+from tsbatch.handlers.cost import CostModel
+from tsbatch.handlers.policy import Arrivals, Policy, PolicySettings, Ticket
 
 pytestmark = pytest.mark.unit
 
@@ -24,21 +24,41 @@ def pass_time(size: int, bucket=EDGE) -> float:
     return 0.008 + 0.003 * size
 
 
+def cost(pass_time=pass_time) -> CostModel:
+    return CostModel(median=lambda *, bucket, size: pass_time(size, bucket))
+
+
+def release_at(oldest: float, alone: float, arrivals: Arrivals, max_wait: float, company: Arrivals | None = None,
+               lanes: int = 1, helping: bool = True) -> float:
+    """Policy.release for a bucket whose oldest request arrived at `oldest`, a pass of one taking
+    `alone` (0: unknown), the worker's `arrivals`, the bucket's own (`company`; default the
+    worker's: a worker of one bucket) and `lanes` lanes able to run it now (a policy of that many
+    lanes, every later one idle)."""
+    edges = tuple(range(16, 16 * (lanes + 1), 16))  # bucket 16 on lane 0, one bucket on each later lane
+    policy = Policy(PolicySettings(edges=edges, max_wait=max_wait, queue_cap=100, age_bound=10.0, priority_aging=0.0),
+                    lambda bucket: 16, cost(lambda size, bucket: alone), lanes=[(edge,) for edge in edges])
+    policy.arrivals = arrivals
+    policy.company[16] = company if company is not None else arrivals
+    policy.queues[16].append(Ticket(Item(0, "", 10, 16), oldest))
+    assert policy._serving(16) == lanes
+    return policy.release(16, helping)
+
+
 def serve(arrivals: list[float], profile: bool = True, buckets: list[int] | None = None) -> tuple[list[float], list[int]]:
     """Latency of each request and the size of each pass, one lane, cap 16; `buckets`: each
     request's bucket (default all EDGE)."""
     buckets = buckets or [EDGE] * len(arrivals)
-    policy = SchedulerPolicy(edges=tuple(sorted(set(buckets))), max_wait=MAX_WAIT, queue_cap=10_000, age_bound=10.0,
-                             priority_aging=0.0)
-    scheduler = Scheduler(policy, lambda bucket: 16, pass_time if profile else None)
+    policy = PolicySettings(edges=tuple(sorted(set(buckets))), max_wait=MAX_WAIT, queue_cap=10_000, age_bound=10.0,
+                            priority_aging=0.0)
+    scheduler = Policy(policy, lambda bucket: 16, cost() if profile else None)
     done: dict[int, float] = {}
     sizes: list[int] = []
     now, i = 0.0, 0
     while len(done) < len(arrivals):
         while i < len(arrivals) and arrivals[i] <= now + 1e-12:
-            scheduler.submit(Ticket(Item(i, "", 10, buckets[i]), arrivals[i]))
+            scheduler.submit_all([Ticket(Item(i, "", 10, buckets[i]), arrivals[i])])
             i += 1
-        picked = scheduler.next_batch(now)
+        picked = scheduler.pick(now)
         if picked is not None:
             batch, tickets = picked
             now += pass_time(batch.size)
@@ -136,20 +156,25 @@ def test_passes_of_one_are_counted_per_lane_that_can_run_the_bucket():
     assert release_at(1.0, 0.016, worker, 0.011, sparse, lanes=1) == pytest.approx(1.011)
     assert release_at(1.0, 0.016, worker, 0.011, sparse, lanes=2) == 1.0
     assert release_at(1.0, 0.016, worker, 0.011, dense, lanes=2) == pytest.approx(1.011)
-    assert release_at(1.0, 0.016, worker, 0.011, sparse, lanes=0) == pytest.approx(1.011)  # never fewer than one
+    # counting its own lane alone (a lane taking over from one behind): one lane, never fewer
+    assert release_at(1.0, 0.016, worker, 0.011, sparse, lanes=2, helping=False) == pytest.approx(1.011)
 
 
-def test_the_scheduler_asks_how_many_lanes_can_run_a_bucket():
-    policy = SchedulerPolicy(edges=(8, 16, 24, 32, 40, 48), max_wait=MAX_WAIT, queue_cap=100, age_bound=10.0,
-                             priority_aging=0.0)
-    scheduler = Scheduler(policy, lambda bucket: 16, lambda size, bucket: 0.016)
+def test_the_policy_asks_how_many_lanes_can_run_a_bucket():
+    policy = PolicySettings(edges=(8, 16, 24, 32, 40, 48), max_wait=MAX_WAIT, queue_cap=100, age_bound=10.0,
+                            priority_aging=0.0)
+    scheduler = Policy(policy, lambda bucket: 16, cost(lambda size, bucket: 0.016),
+                       lanes=[(8, 16, 24, 32, 40), (48,)])
     for k in range(9):  # the worker: a request every 10 ms over six buckets; bucket 24 gets the last one
-        scheduler.submit(Ticket(Item(k, "", 10, 24 if k == 8 else (8, 16, 32, 40, 48)[k % 5]), k * 0.010))
+        scheduler.submit_all([Ticket(Item(k, "", 10, 24 if k == 8 else (8, 16, 32, 40, 48)[k % 5]), k * 0.010)])
     asked = []
-    lanes = lambda bucket: asked.append(bucket) or 2  # noqa: E731
+    serving = scheduler._serving
+    scheduler._serving = lambda bucket: asked.append(bucket) or serving(bucket)
     now = 0.081
-    assert scheduler.next_batch(now, (24,)) is None  # one lane: 16 ms passes hold
+    scheduler.lanes[1].running = 48  # the other lane runs its own: one lane can run 24
+    assert scheduler.pick(now, (24,)) is None  # one lane: 16 ms passes hold
     assert scheduler.time_until_ready(now, (24,)) == pytest.approx(0.080 + MAX_WAIT - now)
-    assert scheduler.time_until_ready(now, (24,), lanes=lanes) == 0.0
-    picked = scheduler.next_batch(now, (24,), lanes)  # two: the bucket gains no company, run it
+    scheduler.lanes[1].running = None  # idle, it can help: two lanes
+    assert scheduler.time_until_ready(now, (24,)) == 0.0
+    picked = scheduler.pick(now, (24,))  # two: the bucket gains no company, run it
     assert picked is not None and picked[0].bucket == 24 and set(asked) == {24}

@@ -1,4 +1,4 @@
-"""tsbatch.handlers.engine: lanes, and the Engine's lane threads over a real Scheduler.
+"""tsbatch.handlers.lanes: split_lanes, and the lane threads (Lanes) running a real Policy's plans.
 
 The isolator is a fake whose `execute` can block on an Event, so a test can hold a pass "running"
 for as long as it likes; every blocked call is released when the test ends (lane threads are
@@ -13,10 +13,11 @@ import time
 import pytest
 
 from tsbatch.handlers.buckets import batch_cap, Item
-from tsbatch.handlers.engine import Engine, split_lanes
+from tsbatch.handlers.cost import CostModel
 from tsbatch.handlers.errors import DeadlineExceeded, ModelFailed, Overloaded
+from tsbatch.handlers.lanes import Lanes
 from tsbatch.handlers.modes.continuous_mode import PACE_MAX_S, reply_pace
-from tsbatch.handlers.scheduler import Scheduler, SchedulerPolicy, Ticket
+from tsbatch.handlers.policy import Policy, PolicySettings, Ticket, split_lanes
 
 pytestmark = pytest.mark.unit
 
@@ -82,7 +83,7 @@ class FakeIsolator:
 
 
 class Deliveries:
-    """The Engine's `deliver`: records (ticket, outcome, batch_size) and wakes waiting tests."""
+    """The Lanes' `on_answer`: records (ticket, outcome, batch_size) and wakes waiting tests."""
 
     def __init__(self):
         self.cond = threading.Condition()
@@ -115,16 +116,17 @@ class Deliveries:
             return list(self.got)
 
 
-def make_scheduler(policy: SchedulerPolicy, cap_for=None, tokens: int = TOKENS) -> Scheduler:
-    """A Scheduler whose caps are the token budget alone, unless a test gives its own."""
-    return Scheduler(policy, cap_for or (lambda bucket: batch_cap(bucket, tokens)))
+def make_scheduler(policy: PolicySettings, cap_for=None, tokens: int = TOKENS, cost: CostModel | None = None,
+                   lanes=None) -> Policy:
+    """A Policy whose caps are the token budget alone, unless a test gives its own."""
+    return Policy(policy, cap_for or (lambda bucket: batch_cap(bucket, tokens)), cost, lanes=lanes)
 
 
-def policy(**overrides) -> SchedulerPolicy:
+def policy(**overrides) -> PolicySettings:
     values = dict(edges=EDGES, max_wait=0.01, queue_cap=10_000,
                   age_bound=1.0, priority_aging=1.0)
     values.update(overrides)
-    return SchedulerPolicy(**values)
+    return PolicySettings(**values)
 
 
 def ticket(bucket: int, deadline_in: float | None = None) -> Ticket:
@@ -140,12 +142,12 @@ def make_engine():
     isolators = []
 
     def make(isolator=None, lanes=(EDGES,), on_batch=None, timing=None, **overrides):
-        """`timing`: the Engine's pass_seconds and typical_pass keyword arguments (the latency profile)."""
+        """`timing`: the Policy's CostModel (the latency profile; none by default)."""
         isolator = isolator or FakeIsolator()
         isolators.append(isolator)
         deliveries = Deliveries()
-        engine = Engine(make_scheduler(policy(**overrides)), isolator, list(lanes), deliveries,
-                        on_batch=on_batch, **(timing or {})).start()
+        engine = Lanes(make_scheduler(policy(**overrides), cost=timing, lanes=list(lanes)), isolator,
+                       on_answer=deliveries, on_batch=on_batch).start()
         engines.append(engine)
         return engine, isolator, deliveries
 
@@ -194,7 +196,7 @@ def test_every_ticket_is_delivered_exactly_once_with_its_own_outcome(make_engine
         assert outcome == {"text": t.item.text}
         assert size == size_of[id(t.item)] >= 1
         assert size <= TOKENS // t.item.bucket
-    assert len(engine.scheduler) == 0
+    assert len(engine.policy) == 0
 
     # on_batch saw every batch, with its tickets, and a sane time span
     assert sorted(id(b) for b, *_ in batches) == sorted(id(b) for b in isolator.calls)
@@ -255,15 +257,16 @@ def test_a_ticket_whose_deadline_passes_while_waiting_gets_504_on_time(make_engi
 
 
 def test_a_ticket_whose_pass_would_end_after_its_deadline_gets_504_without_running(make_engine):
-    engine, isolator, deliveries = make_engine(max_wait=0.0)
-    engine.pass_seconds = lambda bucket, size=None: {256: 0.5}.get(bucket, 0.0)  # a 256-token pass: 0.5 s
+    engine, isolator, deliveries = make_engine(  # a 256-token pass: 0.5 s
+        max_wait=0.0, timing=CostModel(p90=lambda *, bucket, size: {256: 0.5}.get(bucket, 0.0)))
     doomed = ticket(256, deadline_in=0.3)  # could not finish in time: answer now, spend nothing
     engine.submit([doomed])
     outcome, size = deliveries.wait_ticket(doomed)
     assert isinstance(outcome, DeadlineExceeded) and size == 0
     assert isolator.calls == []
 
-    engine.pass_seconds = lambda bucket, size=None: 0.5
+    with engine.cond:
+        engine.policy.cost = CostModel(p90=lambda *, bucket, size: 0.5)
     fits = ticket(256, deadline_in=5.0)
     engine.submit([fits])
     assert deliveries.wait_ticket(fits) == ({"text": fits.item.text}, 1)
@@ -309,7 +312,7 @@ def test_overloaded_propagates_from_submit_when_the_queue_is_full(make_engine):
     with pytest.raises(Overloaded) as caught:
         engine.submit([refused])
     assert caught.value.status == 503
-    assert len(engine.scheduler) == 2
+    assert len(engine.policy) == 2
 
     isolator.release.set()
     assert deliveries.wait_count(3)
@@ -396,7 +399,7 @@ def test_the_long_lane_runs_its_own_batch_before_helping(make_engine):
     engine, isolator, deliveries = make_engine(isolator, lanes=split_lanes(EDGES, 128), max_wait=10.0)
     with engine.cond:  # both batches queued before any lane looks: the long lane must pick its own first
         for t in [ticket(16) for _ in range(16)] + [ticket(64) for _ in range(4)] + [ticket(256)]:
-            engine.scheduler.submit(t)
+            engine.policy.submit_all([t])
         engine.cond.notify_all()
     assert deliveries.wait_count(5), "the long lane did not run the long batch and then the 64 batch"
     by_lane = {lane: [b.bucket for b, t in zip(isolator.calls, isolator.threads) if t == lane]
@@ -406,7 +409,7 @@ def test_the_long_lane_runs_its_own_batch_before_helping(make_engine):
     assert deliveries.wait_count(21)
 
 
-PROFILE = {"pass_seconds": lambda bucket, size=None: 0.1, "typical_pass": lambda size, bucket: 0.1}
+PROFILE = CostModel(median=lambda *, bucket, size: 0.1, p90=lambda *, bucket, size: 0.1)
 
 
 def _long_pass_running(make_engine, queued: int):
@@ -447,7 +450,7 @@ def test_a_behind_long_lane_does_not_take_the_short_lane_from_its_own_batches(ma
                                                timing=PROFILE)
     with engine.cond:  # all queued before any lane looks: the short lane must pick its own first
         for t in [ticket(256) for _ in range(5)] + [ticket(16) for _ in range(16)]:
-            engine.scheduler.submit(t)
+            engine.policy.submit_all([t])
         engine.cond.notify_all()
     assert _until(lambda: len(isolator.threads) == 2)
     assert sorted(zip(isolator.threads, [b.bucket for b in isolator.calls])) == \
@@ -485,8 +488,8 @@ def _until(predicate, timeout: float = WAIT) -> bool:
 
 def test_free_in_is_zero_while_a_lane_is_idle_then_the_first_typical_end(make_engine):
     isolator = FakeIsolator(block=(64, 256))
-    engine, isolator, deliveries = make_engine(isolator, lanes=split_lanes(EDGES, 128), max_wait=0.0)
-    engine.typical_pass = lambda size, bucket: {64: 2.0, 256: 60.0}[bucket]
+    typical = CostModel(median=lambda *, bucket, size: {64: 2.0, 256: 60.0}[bucket])
+    engine, isolator, deliveries = make_engine(isolator, lanes=split_lanes(EDGES, 128), max_wait=0.0, timing=typical)
     assert engine.free_in() == 0.0  # nothing runs
     engine.submit([ticket(256)])
     assert _until(lambda: len(isolator.calls) == 1)
@@ -504,17 +507,17 @@ def test_free_in_is_zero_while_a_lane_is_idle_then_the_first_typical_end(make_en
 
 
 def test_lanes_serving_a_bucket_count_its_own_and_each_later_lane_idle_or_helping_with_it(make_engine):
-    """What the hold for company divides a single-request pass by (handlers/waiting.py): a
+    """What the hold for company divides a single-request pass by (Policy.release): a
     short bucket has two lanes while the long lane is idle or runs short passes too, one while
     the long lane runs its own; a long bucket always has its own lane only."""
     isolator = FakeIsolator(block=(16, 256))
     engine, isolator, deliveries = make_engine(isolator, lanes=split_lanes(EDGES, 128), max_wait=0.0)
     with engine.cond:
-        assert (engine._serving(16), engine._serving(256)) == (2, 1)  # both idle
+        assert (engine.policy._serving(16), engine.policy._serving(256)) == (2, 1)  # both idle
     engine.submit([ticket(256)])
     assert _until(lambda: len(isolator.calls) == 1)
     with engine.cond:
-        assert (engine._serving(16), engine._serving(256)) == (1, 1)  # the long lane runs its own
+        assert (engine.policy._serving(16), engine.policy._serving(256)) == (1, 1)  # the long lane runs its own
     isolator.release.set()
     assert deliveries.wait_count(1)
     isolator.release.clear()
@@ -524,7 +527,7 @@ def test_lanes_serving_a_bucket_count_its_own_and_each_later_lane_idle_or_helpin
     assert _until(lambda: len(isolator.calls) == 3)
     assert isolator.threads[1:] == ["tsbatch-lane-0", "tsbatch-lane-1"]
     with engine.cond:
-        assert (engine._serving(16), engine._serving(256)) == (2, 1)
+        assert (engine.policy._serving(16), engine.policy._serving(256)) == (2, 1)
     isolator.release.set()
     assert deliveries.wait_count(3)
 
@@ -538,7 +541,7 @@ def test_reply_pace_grows_with_the_requests_the_next_call_resends_up_to_its_boun
 
 def test_free_in_is_zero_when_the_profile_does_not_know_the_running_shape(make_engine):
     isolator = FakeIsolator(block=(256,))
-    engine, isolator, deliveries = make_engine(isolator, max_wait=0.0)  # one lane, no typical_pass
+    engine, isolator, deliveries = make_engine(isolator, max_wait=0.0)  # one lane, no cost model
     engine.submit([ticket(256)])
     assert _until(lambda: len(isolator.calls) == 1)
     assert engine.free_in() == 0.0  # unknown: go back for arrivals after poll_ms, as without a profile
@@ -555,12 +558,12 @@ def test_a_request_whose_lane_has_more_work_queued_than_its_deadline_allows_is_r
     waiting. Past BEHIND passes queued the short lane helps as far as its own work leaves it idle,
     and the estimate counts that. The other lane's requests are not refused for it."""
     pass_s = {16: 0.010, 32: 0.010, 64: 0.010, 128: 0.125, 256: 0.125}
-    scheduler = Scheduler(SchedulerPolicy(edges=EDGES, max_wait=0.5, queue_cap=1000, age_bound=10.0,
-                                          priority_aging=0.0), lambda b: batch_cap(b, TOKENS))
+    scheduler = Policy(PolicySettings(edges=EDGES, max_wait=0.5, queue_cap=1000, age_bound=10.0,
+                                      priority_aging=0.0), lambda b: batch_cap(b, TOKENS),
+                       CostModel(p90=lambda *, bucket, size: pass_s[bucket]), lanes=split_lanes(EDGES, 128))
     clock = lambda: 0.0  # noqa: E731 - the engine's lanes are not started: time stands still
-    engine = Engine(scheduler, FakeIsolator(), split_lanes(EDGES, 128), deliver=lambda t, a: None,
-                    clock=clock, pass_seconds=lambda bucket, size=None: pass_s[bucket])
-    engine.load[0].ran(short_lane_busy, 0.0, 0.0)  # the short lane's own passes, just ended
+    engine = Lanes(scheduler, FakeIsolator(), clock=clock, on_answer=lambda t, a: None)
+    scheduler.lanes[0].load.ran(short_lane_busy, 0.0, 0.0)  # the short lane's own passes, just ended
 
     def long_ticket():
         item = Item(index=0, text="long", length=250, bucket=256)
@@ -580,16 +583,16 @@ def test_a_request_whose_lane_has_more_work_queued_than_its_deadline_allows_is_r
 def test_admission_charges_the_queue_at_the_pace_the_lane_runs_now():
     """A queue is charged at the profile's medians (8 passes of 125 ms fit a 1 s deadline; at the
     400 ms p90, 2 would), times the lane's pace: after passes that took twice their median, 4 fit."""
-    scheduler = Scheduler(SchedulerPolicy(edges=(256,), max_wait=0.5, queue_cap=1000, age_bound=10.0,
-                                          priority_aging=0.0), lambda b: 1)
-    engine = Engine(scheduler, FakeIsolator(), [(256,)], deliver=lambda t, a: None, clock=lambda: 0.0,
-                    pass_seconds=lambda bucket, size=None: 0.4, typical_pass=lambda size, bucket: 0.125)
+    scheduler = Policy(PolicySettings(edges=(256,), max_wait=0.5, queue_cap=1000, age_bound=10.0,
+                                      priority_aging=0.0), lambda b: 1,
+                       CostModel(median=lambda *, bucket, size: 0.125, p90=lambda *, bucket, size: 0.4), lanes=[(256,)])
+    engine = Lanes(scheduler, FakeIsolator(), clock=lambda: 0.0, on_answer=lambda t, a: None)
     for _ in range(8):  # at the profile's pace: none refused
         engine.submit([Ticket(Item(index=0, text="long", length=250, bucket=256), 0.0, deadline=1.0)])
     scheduler.queues[256].clear()
     for _ in range(20):
-        engine.load[0].ran(0.25, 0.125, 0.0)  # the lane's passes now take twice their median
-    assert engine.load[0].pace == pytest.approx(2.0, rel=0.05)
+        scheduler.lanes[0].load.ran(0.25, 0.125, 0.0)  # the lane's passes now take twice their median
+    assert scheduler.lanes[0].load.pace == pytest.approx(2.0, rel=0.05)
     accepted = 0
     with pytest.raises(Overloaded):
         while accepted < 100:
@@ -602,15 +605,15 @@ def test_a_lane_keeps_the_pace_of_the_passes_it_runs():
     """After passes that took far less than the profile's median, the lane's pace falls (bounded):
     the engine records every pass it runs, with the lane thread that ran it."""
     isolator = FakeIsolator()
-    scheduler = Scheduler(SchedulerPolicy(edges=EDGES, max_wait=0.0, queue_cap=1000, age_bound=10.0,
-                                          priority_aging=0.0), lambda b: batch_cap(b, TOKENS))
-    engine = Engine(scheduler, isolator, [EDGES], deliver=lambda t, a: None,
-                    typical_pass=lambda size, bucket: 5.0).start()
+    scheduler = Policy(PolicySettings(edges=EDGES, max_wait=0.0, queue_cap=1000, age_bound=10.0,
+                                      priority_aging=0.0), lambda b: batch_cap(b, TOKENS),
+                       CostModel(median=lambda *, bucket, size: 5.0), lanes=[EDGES])
+    engine = Lanes(scheduler, isolator, on_answer=lambda t, a: None).start()
     try:
         for _ in range(5):
             engine.submit([ticket(16)])
             assert _until(lambda: not len(scheduler) and not any(engine.busy))
-        assert _until(lambda: engine.load[0].pace < 0.75)  # 1 -> 0.5 by 0.2 a pass, 5 passes
+        assert _until(lambda: scheduler.lanes[0].load.pace < 0.75)  # 1 -> 0.5 by 0.2 a pass, 5 passes
     finally:
         engine.stop()
 
@@ -622,10 +625,10 @@ def test_admission_counts_the_passes_the_lane_will_form_not_a_full_pass_per_buck
     1.01 s and is refused."""
     edges = (128, 160, 192, 224, 256)
     pass_s = {1: 0.06, 2: 0.1, 4: 0.19}
-    scheduler = Scheduler(SchedulerPolicy(edges=edges, max_wait=0.5, queue_cap=1000, age_bound=10.0,
-                                          priority_aging=0.0), lambda bucket: 4)
-    engine = Engine(scheduler, FakeIsolator(), [edges], deliver=lambda t, a: None, clock=lambda: 0.0,
-                    pass_seconds=lambda bucket, size=None: pass_s[size or 4])
+    scheduler = Policy(PolicySettings(edges=edges, max_wait=0.5, queue_cap=1000, age_bound=10.0,
+                                      priority_aging=0.0), lambda bucket: 4,
+                       CostModel(p90=lambda *, bucket, size: pass_s[size]), lanes=[edges])
+    engine = Lanes(scheduler, FakeIsolator(), clock=lambda: 0.0, on_answer=lambda t, a: None)
 
     def at(bucket):
         return Ticket(Item(index=0, text="long", length=bucket - 1, bucket=bucket), 0.0, deadline=1.0)
@@ -644,16 +647,16 @@ def test_admission_counts_the_passes_the_lane_will_form_not_a_full_pass_per_buck
     assert refused.value.reason == "deadline" and "1010 ms" in str(refused.value)
 
 
-# -- merged passes (handlers/merging.py) only while the other lanes are busy ----------------------
+# -- merged passes (Policy.merge_edge) only while the other lanes are busy --------------------------
 
 def _merging_engine(isolator):
-    """Two lanes over a scheduler whose profile has a fixed cost per pass (10 ms plus 0.05 ms a
+    """Two lanes over a policy whose profile has a fixed cost per pass (10 ms plus 0.05 ms a
     padded token): one pass of two short buckets' requests costs less than their two passes."""
-    profile = lambda size, bucket: 0.010 + 0.00005 * size * bucket  # noqa: E731
-    scheduler = Scheduler(policy(max_wait=0.0), lambda bucket: batch_cap(bucket, TOKENS), profile)
+    profile = lambda *, bucket, size: 0.010 + 0.00005 * size * bucket  # noqa: E731
+    scheduler = make_scheduler(policy(max_wait=0.0), cost=CostModel(median=profile, p90=profile),
+                               lanes=split_lanes(EDGES, 128))
     deliveries = Deliveries()
-    engine = Engine(scheduler, isolator, split_lanes(EDGES, 128), deliveries,
-                    typical_pass=profile, pass_seconds=lambda bucket, size=None: profile(size or 1, bucket)).start()
+    engine = Lanes(scheduler, isolator, on_answer=deliveries).start()
     return engine, deliveries
 
 
