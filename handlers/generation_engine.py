@@ -10,6 +10,7 @@ without the youngest or lowest-priority sequences. Tokens reach the waiter as th
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -31,6 +32,24 @@ class Waiter(Protocol):
     def token(self, seq: Seq, token: int) -> None: ...
 
     def settle(self, seq: Seq) -> None: ...
+
+
+class AsyncWaiter:
+    """A sequence's tokens and end, handed from the engine's thread to a coroutine on `loop`:
+    `await next_event()` gives ("token", id) for each token, then ("end", seq) once."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def token(self, seq: Seq, token: int) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, ("token", token))
+
+    def settle(self, seq: Seq) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, ("end", seq))
+
+    async def next_event(self) -> tuple[str, Any]:
+        return await self.queue.get()
 
 
 class GenerationEngine:

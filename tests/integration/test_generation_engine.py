@@ -3,6 +3,9 @@ and each gets token for token what greedy decoding gives it alone; faults inject
 (a raise, NaN, out of memory) fail or preempt only whom they should."""
 from __future__ import annotations
 
+import asyncio
+import json
+import os
 import random
 import threading
 
@@ -284,3 +287,195 @@ def test_stop_answers_every_live_sequence_503(runner):
     engine.step()
     engine.stop()
     assert [type(s.error) for s in (first, second)] == [ModelUnavailable] * 2 and first.error.status == 503
+
+
+# -- the TorchServe edge: the handler in async mode, driven through TorchServe's own async predict
+
+class BackendSocket:
+    """The worker's socket to the frontend: keeps each message the handler and TorchServe send."""
+
+    def __init__(self):
+        self.messages: list[bytes] = []
+        self.lock = threading.Lock()
+
+    def sendall(self, data) -> None:
+        with self.lock:
+            self.messages.append(bytes(data))
+
+
+def parse_reply(message: bytes) -> list[dict]:
+    """A predict response as TorchServe's backend encodes it (ts/protocol/otf_message_handler.py)."""
+    import struct
+
+    at = 0
+
+    def take_int():
+        nonlocal at
+        (value,) = struct.unpack("!i", message[at:at + 4])
+        at += 4
+        return value
+
+    def take_bytes():
+        nonlocal at
+        size = take_int()
+        value = message[at:at + size]
+        at += size
+        return value
+
+    take_int(), take_bytes()  # the message's own code and phrase
+    replies = []
+    while True:
+        size = take_int()
+        if size == -1:  # the end of the list
+            return replies
+        rid, at = message[at:at + size].decode(), at + size
+        content_type = take_bytes().decode()
+        status = take_int()
+        take_bytes()  # phrase
+        headers = {take_bytes().decode(): take_bytes().decode() for _ in range(take_int())}
+        replies.append({"rid": rid, "content_type": content_type, "status": status, "headers": headers,
+                        "body": take_bytes()})
+
+
+class AsyncFrontend:
+    """TorchServe 0.12's async mode as the handler meets it: each request is its own call of
+    ts.async_service.predict (batchSize 1) on one event loop; a client sees the first reply's
+    status and headers and every reply's body in turn, until one carries ts_stream_next=false."""
+
+    def __init__(self, handler, context):
+        from types import SimpleNamespace
+
+        self.socket = BackendSocket()
+        self.service = SimpleNamespace(context=context, cl_socket=self.socket, _entry_point=handler.handle)
+
+    async def ask(self, rid: str, body, headers: dict | None = None, content_type: str = "application/json"):
+        from ts.async_service import predict
+
+        value = json.dumps(body).encode() if content_type != "application/json" and isinstance(body, dict) else body
+        request = {"requestId": rid.encode(), "parameters": [{"name": "body", "value": value, "contentType": content_type}],
+                   "headers": [{"name": k.encode(), "value": v.encode()} for k, v in (headers or {}).items()]}
+        final = await predict(self.service, [request])
+        self.socket.sendall(final)  # as AsyncService.send_responses does
+
+    def reply(self, rid: str) -> dict:
+        parts = [r for m in self.socket.messages for r in parse_reply(m) if r["rid"] == rid]
+        ends = [i for i, r in enumerate(parts) if r["headers"].get("ts_stream_next") == "false"]
+        assert ends and ends[0] == len(parts) - 1, f"{rid}: the frontend must forget the job at its last reply"
+        first = parts[0]
+        return {"status": first["status"], "content_type": first["content_type"], "headers": first["headers"],
+                "body": b"".join(p["body"] for p in parts), "replies": len(parts)}
+
+
+@pytest.fixture
+def served(runner, tmp_path):
+    from tsbatch.handlers.generation_handler import GenerationHandler
+    from tests.support import make_context
+
+    archive = tmp_path / "archive"
+    archive.mkdir()
+    os.symlink(runner.lm.name_or_path, archive / "model")
+    section = {"task": "generation", "max_new_tokens": 40, "kv_bound": 2048, "queue_cap": 16}
+    handler = GenerationHandler()
+    handler.initialize(make_context(str(archive), section, batch_size=1))
+    try:
+        yield handler, AsyncFrontend(handler, make_context(str(archive), section, batch_size=1))
+    finally:
+        handler.close()
+
+
+TEXTS = ["A man is eating food.", "The weather is nice in the park today and the children are playing",
+         "hello", "one two three four five six seven eight nine ten"]
+
+
+def test_the_handler_answers_each_request_as_alone_while_others_join_and_streams_token_by_token(runner, served):
+    handler, frontend = served
+    asks = [(text, new) for text, new in zip(TEXTS, (8, 30, 5, 20))]
+    expected = [alone(runner, runner.encode(text), new) for text, new in asks]
+    batches, decode = [], handler.runner.decode
+    handler.runner.decode = lambda rows: batches.append(len(rows)) or decode(rows)  # watch the steps
+
+    async def clients():
+        calls = []
+        for i, (text, new) in enumerate(asks):
+            calls.append(asyncio.ensure_future(frontend.ask(f"whole-{i}", {"text": text, "max_new_tokens": new})))
+            calls.append(asyncio.ensure_future(frontend.ask(f"stream-{i}", {"text": text, "max_new_tokens": new,
+                                                                            "stream": True})))
+            await asyncio.sleep(0.01)  # later ones join while earlier ones decode
+        await asyncio.gather(*calls)
+
+    asyncio.run(clients())
+    for i, tokens in enumerate(expected):
+        whole = frontend.reply(f"whole-{i}")
+        assert whole["status"] == 200 and whole["content_type"] == "application/json"
+        body = json.loads(whole["body"])
+        assert body == {"generated_text": runner.decode_text(tokens), "new_tokens": len(tokens),
+                        "finish_reason": "length" if len(tokens) == asks[i][1] else "eos"}
+        stream = frontend.reply(f"stream-{i}")
+        lines = [json.loads(x) for x in stream["body"].decode().splitlines()]
+        assert stream["status"] == 200 and stream["content_type"] == "application/x-ndjson"
+        assert [x["token"] for x in lines[:-1]] == tokens  # one line per token, as it was made
+        assert lines[-1] == body and "".join(x["text"] for x in lines[:-1]).strip() == body["generated_text"].strip()
+        assert stream["replies"] == len(tokens) + 2  # the lines, then the empty final reply
+    assert max(batches) >= 4  # requests were decoded together, not one after another
+
+
+def test_bad_asks_fail_alone_with_their_own_status_and_the_frontend_forgets_them(runner, served):
+    handler, frontend = served
+
+    async def clients():
+        await asyncio.gather(
+            frontend.ask("ok", {"text": "fine", "max_new_tokens": 4}),
+            frontend.ask("zero", {"text": "fine", "max_new_tokens": 0}),
+            frontend.ask("many", {"text": "fine", "max_new_tokens": 41}),
+            frontend.ask("json", b"{not json", content_type="application/octet-stream"),
+            frontend.ask("field", {"text": "fine", "temperature": 0.7}),
+            frontend.ask("long", {"text": " ".join(["word"] * 500), "max_new_tokens": 40}),
+            frontend.ask("priority", {"text": "fine"}, headers={"X-Priority": "urgent"}),
+            frontend.ask("plain", "just text", content_type="text/plain"),
+        )
+
+    asyncio.run(clients())
+    statuses = {rid: frontend.reply(rid)["status"] for rid in
+                ("ok", "zero", "many", "json", "field", "long", "priority", "plain")}
+    assert statuses == {"ok": 200, "zero": 400, "many": 400, "json": 400, "field": 400, "long": 413,
+                        "priority": 400, "plain": 200}
+    many = json.loads(frontend.reply("many")["body"])
+    assert many["code"] == 400 and "from 1 to 40, got 41" in many["error"]
+    assert "more than the model's 512 positions" in json.loads(frontend.reply("long")["body"])["error"]
+    assert json.loads(frontend.reply("plain")["body"])["new_tokens"] == handler.config.default_new_tokens
+
+
+def test_through_the_handler_a_poisoned_prompt_fails_alone_while_the_others_stream_on(runner, served):
+    handler, frontend = served
+    poison = runner.encode("poison")
+    assert len(poison) == 1 and all(poison[0] not in runner.encode(t) for t in TEXTS)
+    expected = [alone(runner, runner.encode(t), 12) for t in TEXTS]
+    hook = fault(handler.runner, "raise", rows_fed(poison[0]))  # the handler's own model
+
+    async def clients():
+        calls = [frontend.ask(f"s{i}", {"text": t, "max_new_tokens": 12, "stream": True}) for i, t in enumerate(TEXTS)]
+        calls.insert(2, frontend.ask("bad", {"text": "a poison pill", "max_new_tokens": 12, "stream": True}))
+        await asyncio.gather(*calls)
+
+    try:
+        asyncio.run(clients())
+    finally:
+        hook.remove()
+    bad = frontend.reply("bad")
+    assert bad["status"] == 500 and "injected fault" in json.loads(bad["body"])["error"]
+    for i, tokens in enumerate(expected):
+        lines = [json.loads(x) for x in frontend.reply(f"s{i}")["body"].decode().splitlines()]
+        assert [x["token"] for x in lines[:-1]] == tokens
+
+
+def test_a_bad_handler_section_fails_the_load_with_the_key_named(runner, tmp_path):
+    from tsbatch.handlers.errors import ConfigError
+    from tsbatch.handlers.generation_handler import GenerationHandler
+    from tests.support import make_context
+
+    for section, message in (({"kv_bund": 10}, "did you mean kv_bound"),
+                             ({"max_running": 0}, "max_running must be a positive integer, got 0"),
+                             ({"task": "embedding"}, "must be 'generation'"),
+                             ({"token_budget": 4, "max_running": 8}, "token_budget .4. must be at least max_running")):
+        with pytest.raises(ConfigError, match=message):
+            GenerationHandler().initialize(make_context(str(tmp_path), section))

@@ -56,7 +56,7 @@ def step(scheduler: GenerationScheduler, clock: Clock, **outcome) -> tuple[StepP
 
 
 def test_the_module_imports_neither_torch_nor_torchserve():
-    probe = ("import json, sys; import tsbatch.handlers.generation_scheduler; "
+    probe = ("import json, sys; import tsbatch.handlers.generation_scheduler, tsbatch.handlers.generation_api; "
              "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'ts'))))")
     done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, env={**os.environ, "PYTHONPATH": REPO},
                           capture_output=True, text=True, timeout=120)
@@ -348,3 +348,48 @@ def test_priority_is_read_from_the_header_as_the_encoder_reads_it():
 def test_a_bad_policy_fails_at_load_with_the_field_named(field, value, message):
     with pytest.raises(ConfigError, match=message):
         policy(**{field: value})
+
+
+# -- the handler's contract (handlers/generation_api.py): pure as well
+
+def test_an_ask_is_json_or_plain_text_and_a_deadline_header_may_only_shorten_the_deadline():
+    from tsbatch.handlers.generation_api import Ask, GenerationConfig, deadline_of, parse_ask
+
+    config = GenerationConfig(max_new_tokens=32, default_new_tokens=8, deadline_ms=5000)
+    assert parse_ask(b'{"text": "hi", "max_new_tokens": 3, "stream": true}', config) == Ask("hi", 3, True)
+    assert parse_ask("plain words", config) == Ask("plain words", 8, False)
+    assert parse_ask({"text": "parsed by TorchServe"}, config).max_new_tokens == 8
+    for body, message in ((b"\xff", "not UTF-8"), ('{"text": "x", "stream": "yes"}', "stream must be true or false"),
+                          ({"text": "x", "max_new_tokens": True}, "from 1 to 32, got True"), ({"text": " "}, "empty")):
+        with pytest.raises(BadInput, match=message):
+            parse_ask(body, config)
+    assert deadline_of({}, config, 10.0) == 15.0
+    assert deadline_of({"x-deadline-ms": "200"}, config, 10.0) == pytest.approx(10.2)
+    assert deadline_of({"x-deadline-ms": "90000"}, config, 10.0) == 15.0
+    with pytest.raises(BadInput, match="whole number of milliseconds"):
+        deadline_of({"x-deadline-ms": "soon"}, config, 10.0)
+
+
+def test_a_stream_hands_out_text_pieces_that_join_to_the_whole_text():
+    from tsbatch.handlers.generation_api import TextStream
+
+    words = {1: "he", 2: "##llo", 3: "world"}
+
+    def decode(tokens):  # WordPiece-like: "##" joins a piece to the word before
+        return " ".join(words[t] for t in tokens).replace(" ##", "")
+
+    stream = TextStream(decode)
+    pieces = [stream.add(t) for t in (1, 2, 3)]
+    assert pieces == ["he", "llo", " world"] and "".join(pieces) == decode([1, 2, 3])
+
+
+def test_the_generation_settings_name_a_misspelt_key_and_check_the_policy_at_load():
+    from tsbatch.handlers.generation_api import GenerationConfig
+
+    assert GenerationConfig.from_section({"kv_bound": 4096}).policy().kv_bound == 4096
+    with pytest.raises(ConfigError, match="did you mean max_new_tokens"):
+        GenerationConfig.from_section({"max_new_token": 8})
+    with pytest.raises(ConfigError, match="default_new_tokens .64. must be at most max_new_tokens .32."):
+        GenerationConfig.from_section({"max_new_tokens": 32, "default_new_tokens": 64})
+    with pytest.raises(ConfigError, match="preempt_for_priority must be true or false"):
+        GenerationConfig.from_section({"preempt_for_priority": "yes"})

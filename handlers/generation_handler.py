@@ -1,0 +1,172 @@
+"""tsbatch's built-in TorchServe handler for text generation (`task: generation`): any local
+causal-LM directory with safetensors weights, scheduled token by token.
+
+It runs in TorchServe's async mode (`asyncCommunication: true`): each request is a coroutine that
+submits to the worker's one GenerationEngine (handlers/generation_engine.py) and awaits its
+tokens. Answers go out as intermediate replies and the final reply is empty, so TorchServe 0.12's
+async frontend forgets every job (a plain reply would stay on its heap); an error before any
+token goes out as a full reply with its own status. A streamed request gets one line per token.
+The request and answer shapes and the settings are handlers/generation_api.py's.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from http import HTTPStatus
+
+from tsbatch.handlers import socket_guard
+from tsbatch.handlers.errors import BadInput, InputTooLong, ModelFailed, Overloaded, ServingError
+from tsbatch.handlers.generation_api import (GenerationConfig, TextStream, answer_body, deadline_of, line, parse_ask,
+                                             priority_of)
+from tsbatch.handlers.generation_scheduler import GenerationRequest, GenerationScheduler, Status
+
+logger = logging.getLogger(__name__)
+
+JSON = "application/json"
+NDJSON = "application/x-ndjson"
+WORKER_HEADER = "x-tsbatch-worker"  # as the encoder modes write it: pid of the worker that answered
+
+
+class GenerationHandler:
+    """Serves one causal LM; configured by the `handler:` section of model-config.yaml."""
+
+    def __init__(self):
+        self.initialized = False
+        self.config: GenerationConfig | None = None
+        self.runner = None
+        self.engine = None
+
+    def initialize(self, context) -> None:
+        import torch
+
+        from tsbatch.handlers.generation_engine import GenerationEngine
+        from tsbatch.handlers.generation_runner import GenerationRunner
+
+        started = time.monotonic()
+        socket_guard.install()  # intermediate and final replies are written from two threads
+        yaml_config = context.model_yaml_config or {}
+        self.config = config = GenerationConfig.from_section(yaml_config.get("handler"))
+        if config.torch_threads:
+            torch.set_num_threads(config.torch_threads)
+        gpu_id = context.system_properties.get("gpu_id")
+        on_gpu = config.device == "auto" and str(gpu_id).isdigit() and torch.cuda.is_available()
+        device = f"cuda:{gpu_id}" if on_gpu else "cpu"
+        model_dir = os.path.join(context.system_properties.get("model_dir"), config.model_dir)
+        self.runner = GenerationRunner(model_dir, device)
+        self.engine = GenerationEngine(GenerationScheduler(config.policy()), self.runner).start()
+        logger.info("tsbatch generation loaded %s on %s: token_budget=%d kv_bound=%d max_running=%d in %.1fs",
+                    type(self.runner.lm).__name__, device, config.token_budget, config.kv_bound, config.max_running,
+                    time.monotonic() - started)
+        self.initialized = True
+
+    async def handle(self, data: list, context) -> list:
+        """Never raises: one raise in async mode fails every request in flight on the worker."""
+        await asyncio.gather(*(self._serve(index, row, context) for index, row in enumerate(data)))
+        return [""] * len(data)  # the answers went out as intermediate replies
+
+    def close(self) -> None:
+        """Stop the engine's thread (tests; TorchServe ends a worker by ending its process)."""
+        if self.engine is not None:
+            self.engine.stop()
+            self.engine = None
+
+    async def _serve(self, index: int, row, context) -> None:
+        try:
+            seq, waiter, ask = self._submit(index, row, context)
+        except ServingError as error:
+            _fail(index, error, context)
+            return
+        except Exception as error:  # noqa: BLE001 - a bug on one request answers that request alone
+            logger.exception("tsbatch generation: request %s", context.request_ids.get(index))
+            _fail(index, ModelFailed(f"the handler failed on this request: {type(error).__name__}"), context)
+            return
+        try:
+            await (self._stream(index, waiter, context) if ask.stream else self._whole(index, waiter, context))
+        except Exception:  # noqa: BLE001 - e.g. the event loop closing: free the seat, never raise
+            logger.exception("tsbatch generation: answering %s", seq.rid)
+            self.engine.cancel(seq)
+
+    def _submit(self, index: int, row, context):
+        from tsbatch.handlers.generation_engine import AsyncWaiter
+
+        now = time.monotonic()
+        headers = _headers(context, index)
+        ask = parse_ask(row.get("body", row.get("data")) if isinstance(row, dict) else row, self.config)
+        priority, deadline = priority_of(headers), deadline_of(headers, self.config, now)
+        prompt = self.runner.encode(ask.text)
+        if not prompt:
+            raise BadInput("the text has no tokens")
+        if len(prompt) + ask.max_new_tokens > self.runner.max_positions:
+            raise InputTooLong(f"a prompt of {len(prompt)} tokens and max_new_tokens {ask.max_new_tokens} are more "
+                               f"than the model's {self.runner.max_positions} positions: shorten one")
+        waiter = AsyncWaiter(asyncio.get_running_loop())
+        rid = str(context.request_ids.get(index, index))
+        seq = self.engine.submit(GenerationRequest(rid, tuple(prompt), ask.max_new_tokens, now, priority, deadline), waiter)
+        return seq, waiter, ask
+
+    async def _whole(self, index: int, waiter, context) -> None:
+        while True:
+            kind, value = await waiter.next_event()
+            if kind == "end":
+                break
+        seq = value
+        if seq.status is not Status.FINISHED:
+            _fail(index, seq.error or ModelFailed("the request ended without an answer"), context)
+            return
+        body = answer_body(self.runner.decode_text(seq.tokens), len(seq.tokens), seq.stop)
+        _send(index, json.dumps(body), JSON, context)
+
+    async def _stream(self, index: int, waiter, context) -> None:
+        text = TextStream(self.runner.decode_text)
+        sent = False
+        while True:
+            kind, value = await waiter.next_event()
+            if kind == "token":
+                _send(index, line({"token": value, "text": text.add(value)}), NDJSON, context)
+                sent = True
+                continue
+            seq = value
+            if seq.status is Status.FINISHED:
+                _send(index, line(answer_body(self.runner.decode_text(seq.tokens), len(seq.tokens), seq.stop)),
+                      NDJSON, context)
+            elif sent:  # the status went out with the first line: the error is the stream's last line
+                _send(index, line((seq.error or ModelFailed("the request ended without an answer")).to_body()),
+                      NDJSON, context)
+            else:
+                _fail(index, seq.error or ModelFailed("the request ended without an answer"), context)
+            return
+
+
+def _headers(context, index: int) -> dict:
+    """The request's headers with lower-cased names."""
+    try:
+        headers = context.get_all_request_header(index) or {}
+    except Exception:  # noqa: BLE001 - a context without headers means none
+        return {}
+    return {str(k).lower(): v for k, v in headers.items()}
+
+
+def _send(index: int, body: str, content_type: str, context) -> None:
+    """One intermediate reply (status 200, ts_stream_next: true): a whole answer or one line of a stream."""
+    from ts.handler_utils.utils import send_intermediate_predict_response
+
+    context.set_response_content_type(index, content_type)
+    context.set_response_header(index, WORKER_HEADER, str(os.getpid()))
+    send_intermediate_predict_response({index: body}, {index: context.request_ids[index]}, "tsbatch", 200, context)
+
+
+def _fail(index: int, error: ServingError, context) -> None:
+    """An error as a full reply with its own status; the empty final reply then carries
+    ts_stream_next=false, so the frontend forgets the job too."""
+    from ts.protocol.otf_message_handler import create_predict_response
+
+    context.set_response_content_type(index, JSON)
+    context.set_response_status(error.status, HTTPStatus(error.status).phrase, idx=index)
+    if isinstance(error, Overloaded):
+        context.set_response_header(index, "Retry-After", "1")
+    context.cl_socket.sendall(create_predict_response({index: json.dumps(error.to_body())},
+                                                      {index: context.request_ids[index]}, "tsbatch", 200, context))
+    context.set_response_header(index, "ts_stream_next", "false")
