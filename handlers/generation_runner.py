@@ -1,9 +1,9 @@
 """The generation engine's model runner: prefill and batched greedy decode of a causal LM with a KV cache.
 
-Chosen: a KV cache per sequence, left-padded into one transformers DynamicCache for each step and
-split back after it. Not transformers' continuous batching (generate_batch, correct here): it runs
-its own scheduler loop and fails every request of a batch on one error, where ours plans each step
-and isolates a failing sequence; caches of their own make joins, leaves, preemption and re-runs trivial.
+Chosen: each sequence owns a KV cache (a view of its row in the batch of its last step); a step
+runs on one transformers DynamicCache, the last step's batch as it is or one left-padded from the
+views. Not transformers' continuous batching (generate_batch, correct here): it runs its own
+scheduler loop and fails every request of a batch on one error; ours plans and isolates per step.
 """
 from __future__ import annotations
 
@@ -18,11 +18,24 @@ from tsbatch.handlers.errors import ConfigError, OutOfMemory
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class SequenceCache:
-    """One sequence's KV cache: (keys, values) per layer, each [1, heads, length, head_dim]."""
+@dataclass(frozen=True, eq=False)
+class _Batch:
+    """The padded KV cache of the step that last grew a set of sequences: [rows, heads, length, head_dim] per layer."""
 
     layers: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+    rows: int
+
+
+@dataclass(frozen=True)
+class SequenceCache:
+    """One sequence's KV cache: (keys, values) per layer, each [1, heads, length, head_dim] — a view
+    of row `row` of the step's `batch` without its padding. The next step of the same sequences in
+    the same order runs on that batch as it is; any other set is combined from the views (a
+    step's batch lives until every sequence of it has stepped again or left)."""
+
+    layers: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+    batch: _Batch | None = None
+    row: int = 0
 
     @property
     def length(self) -> int:
@@ -96,16 +109,12 @@ class GenerationRunner:
             return []
         lengths = [cache.length for _, cache in rows]
         longest = max(lengths)
-        layers = []
-        for layer in range(len(rows[0][1].layers)):
-            keys, values = rows[0][1].layers[layer]
-            shape = (len(rows), keys.shape[1], longest, keys.shape[3])
-            batch_keys, batch_values = keys.new_zeros(shape), values.new_zeros(shape)
-            for row, (_, cache) in enumerate(rows):
-                k, v = cache.layers[layer]
-                batch_keys[row, :, longest - lengths[row]:] = k[0]
-                batch_values[row, :, longest - lengths[row]:] = v[0]
-            layers.append((batch_keys, batch_values))
+        same = rows[0][1].batch
+        if same is not None and same.rows == len(rows) and all(c.batch is same and c.row == i for i, (_, c) in enumerate(rows)):
+            layers = list(same.layers)  # the sequences of the last step, in its order: no copy
+        else:
+            layers = [self._combine([cache.layers[layer] for _, cache in rows], lengths, longest)
+                      for layer in range(len(rows[0][1].layers))]
         mask = torch.zeros((len(rows), longest + 1), dtype=torch.long)
         for row, length in enumerate(lengths):
             mask[row, longest - length:] = 1
@@ -113,6 +122,17 @@ class GenerationRunner:
         positions = torch.tensor([[length] for length in lengths], dtype=torch.long)
         out = self._forward(ids, mask, positions, self._cache_class(ddp_cache_data=layers))
         return self._split(out, [longest - length for length in lengths])
+
+    @staticmethod
+    def _combine(per_row: list[tuple[torch.Tensor, torch.Tensor]], lengths: list[int], longest: int):
+        """One layer's (keys, values) of several sequences, left-padded with zeros to `longest`."""
+        keys, values = per_row[0]
+        shape = (len(per_row), keys.shape[1], longest, keys.shape[3])
+        batch_keys, batch_values = keys.new_zeros(shape), values.new_zeros(shape)
+        for row, (k, v) in enumerate(per_row):
+            batch_keys[row, :, longest - lengths[row]:] = k[0]
+            batch_values[row, :, longest - lengths[row]:] = v[0]
+        return batch_keys, batch_values
 
     def _forward(self, ids, mask, positions, cache):
         try:
@@ -129,10 +149,9 @@ class GenerationRunner:
         logits = out.logits[:, -1].float()
         bad = torch.isnan(logits).any(dim=-1).tolist()
         tokens = logits.argmax(dim=-1).tolist()
-        layers = [(keys, values) for keys, values, *_ in out.cache]
-        results = []
-        for row, pad in enumerate(padding):
-            cache = SequenceCache(tuple((k[row:row + 1, :, pad:].clone(), v[row:row + 1, :, pad:].clone())
-                                        for k, v in layers))  # copies: no view keeps the batch alive
-            results.append(RowResult(None if bad[row] else tokens[row], cache))
-        return results
+        layers = tuple((keys, values) for keys, values, *_ in out.cache)
+        batch = _Batch(layers, len(padding))
+        return [RowResult(None if bad[row] else tokens[row],
+                          SequenceCache(tuple((k[row:row + 1, :, pad:], v[row:row + 1, :, pad:]) for k, v in layers),
+                                        batch, row))
+                for row, pad in enumerate(padding)]
