@@ -36,6 +36,7 @@ class GenerationConfig:
     default_new_tokens: int = 16  # what a request that names none gets
     token_budget: int = 512  # tokens fed to the model in one step (a decode feeds 1, a prefill its prompt)
     kv_bound: int = 16384  # KV-cache tokens live at once, all sequences together (learned lower on out of memory)
+    kv_memory_share: float = 0.8  # on CUDA: the bound is at most what this share of the free memory at load holds
     max_running: int = 16  # sequences decoding in one step at most
     queue_cap: int = 64  # requests waiting at most; past it 503
     priority_aging_ms: int = 1000  # a waiting request gains one class per this many ms
@@ -65,14 +66,26 @@ class GenerationConfig:
         config.policy()  # the scheduler's own checks, at load
         return config
 
-    def policy(self) -> GenerationPolicy:
-        return GenerationPolicy(token_budget=self.token_budget, kv_bound=self.kv_bound, max_running=self.max_running,
+    def policy(self, kv_bound: int | None = None) -> GenerationPolicy:
+        """The scheduler's policy; `kv_bound`: the device's own bound, where it is known (kv_bound_for)."""
+        kv_bound = self.kv_bound if kv_bound is None else min(self.kv_bound, kv_bound)
+        return GenerationPolicy(token_budget=self.token_budget, kv_bound=kv_bound, max_running=self.max_running,
                                 queue_cap=self.queue_cap, priority_aging=self.priority_aging_ms / 1000,
                                 preempt_for_priority=self.preempt_for_priority)
 
 
+def kv_bound_for(free_bytes: int, bytes_per_token: int, share: float) -> int:
+    """KV-cache tokens that `share` of `free_bytes` holds (at least 1: the scheduler refuses what
+    cannot fit, and out of memory lowers it further)."""
+    return max(1, int(free_bytes * share) // max(1, bytes_per_token))
+
+
 def _check(key: str, value: Any, default: Any) -> Any:
     label = f"handler.{key}"
+    if key == "kv_memory_share":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+            raise ConfigError(f"{label} must be a fraction above 0 and at most 1, got {value!r}")
+        return float(value)
     if isinstance(default, bool):
         if not isinstance(value, bool):
             raise ConfigError(f"{label} must be true or false, got {value!r}")

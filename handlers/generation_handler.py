@@ -19,8 +19,8 @@ from http import HTTPStatus
 
 from tsbatch.handlers import socket_guard
 from tsbatch.handlers.errors import BadInput, InputTooLong, ModelFailed, Overloaded, ServingError
-from tsbatch.handlers.generation_api import (GenerationConfig, TextStream, answer_body, deadline_of, line, parse_ask,
-                                             priority_of)
+from tsbatch.handlers.generation_api import (GenerationConfig, TextStream, answer_body, deadline_of, kv_bound_for,
+                                             line, parse_ask, priority_of)
 from tsbatch.handlers.generation_scheduler import GenerationRequest, GenerationScheduler, Status
 
 logger = logging.getLogger(__name__)
@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 JSON = "application/json"
 NDJSON = "application/x-ndjson"
 WORKER_HEADER = "x-tsbatch-worker"  # as the encoder modes write it: pid of the worker that answered
+TIMING_HEADER = "x-tsbatch-timing"  # the encoder modes' header, with generation's own parts
 
 
 class GenerationHandler:
@@ -56,10 +57,15 @@ class GenerationHandler:
         device = f"cuda:{gpu_id}" if on_gpu else "cpu"
         model_dir = os.path.join(context.system_properties.get("model_dir"), config.model_dir)
         self.runner = GenerationRunner(model_dir, device)
-        self.engine = GenerationEngine(GenerationScheduler(config.policy()), self.runner).start()
-        logger.info("tsbatch generation loaded %s on %s: token_budget=%d kv_bound=%d max_running=%d in %.1fs",
-                    type(self.runner.lm).__name__, device, config.token_budget, config.kv_bound, config.max_running,
-                    time.monotonic() - started)
+        device_bound = None  # on the CPU nothing says how much memory is ours: kv_bound as configured
+        if on_gpu:
+            free, _total = torch.cuda.mem_get_info(self.runner.device)
+            device_bound = kv_bound_for(free, self.runner.kv_bytes_per_token, config.kv_memory_share)
+        policy = config.policy(device_bound)
+        self.engine = GenerationEngine(GenerationScheduler(policy), self.runner).start()
+        logger.info("tsbatch generation loaded %s on %s: token_budget=%d kv_bound=%d (%d bytes a token) "
+                    "max_running=%d in %.1fs", type(self.runner.lm).__name__, device, policy.token_budget,
+                    policy.kv_bound, self.runner.kv_bytes_per_token, policy.max_running, time.monotonic() - started)
         self.initialized = True
 
     async def handle(self, data: list, context) -> list:
@@ -84,7 +90,7 @@ class GenerationHandler:
             _fail(index, ModelFailed(f"the handler failed on this request: {type(error).__name__}"), context)
             return
         try:
-            await (self._stream(index, waiter, context) if ask.stream else self._whole(index, waiter, context))
+            await (self._stream if ask.stream else self._whole)(index, seq, waiter, context)
         except Exception:  # noqa: BLE001 - e.g. the event loop closing: free the seat, never raise
             logger.exception("tsbatch generation: answering %s", seq.rid)
             self.engine.cancel(seq)
@@ -107,28 +113,29 @@ class GenerationHandler:
         seq = self.engine.submit(GenerationRequest(rid, tuple(prompt), ask.max_new_tokens, now, priority, deadline), waiter)
         return seq, waiter, ask
 
-    async def _whole(self, index: int, waiter, context) -> None:
-        while True:
-            kind, value = await waiter.next_event()
-            if kind == "end":
-                break
-        seq = value
+    async def _whole(self, index: int, seq, waiter, context) -> None:
+        while (await waiter.next_event())[0] != "end":
+            pass
+        _timing(index, seq, context)
         if seq.status is not Status.FINISHED:
             _fail(index, seq.error or ModelFailed("the request ended without an answer"), context)
             return
         body = answer_body(self.runner.decode_text(seq.tokens), len(seq.tokens), seq.stop)
         _send(index, json.dumps(body), JSON, context)
 
-    async def _stream(self, index: int, waiter, context) -> None:
+    async def _stream(self, index: int, seq, waiter, context) -> None:
         text = TextStream(self.runner.decode_text)
         sent = False
         while True:
             kind, value = await waiter.next_event()
             if kind == "token":
+                if not sent:  # the first reply fixes the headers: the time to the first token is all they can say
+                    _timing(index, seq, context)
                 _send(index, line({"token": value, "text": text.add(value)}), NDJSON, context)
                 sent = True
                 continue
-            seq = value
+            if not sent:
+                _timing(index, seq, context)
             if seq.status is Status.FINISHED:
                 _send(index, line(answer_body(self.runner.decode_text(seq.tokens), len(seq.tokens), seq.stop)),
                       NDJSON, context)
@@ -147,6 +154,17 @@ def _headers(context, index: int) -> dict:
     except Exception:  # noqa: BLE001 - a context without headers means none
         return {}
     return {str(k).lower(): v for k, v in headers.items()}
+
+
+def _timing(index: int, seq, context) -> None:
+    """x-tsbatch-timing: ms from arrival to the first token and to the end, as far as known."""
+    arrived = seq.request.arrived
+    parts = [f"{name}={(at - arrived) * 1000:.1f}" for name, at in
+             (("first_token", seq.first_token_at), ("total", seq.ended_at)) if at is not None]
+    if seq.preemptions:
+        parts.append(f"preempted={seq.preemptions}")
+    if parts:
+        context.set_response_header(index, TIMING_HEADER, "; ".join(parts))
 
 
 def _send(index: int, body: str, content_type: str, context) -> None:

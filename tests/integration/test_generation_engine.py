@@ -417,6 +417,39 @@ def test_the_handler_answers_each_request_as_alone_while_others_join_and_streams
         assert lines[-1] == body and "".join(x["text"] for x in lines[:-1]).strip() == body["generated_text"].strip()
         assert stream["replies"] == len(tokens) + 2  # the lines, then the empty final reply
     assert max(batches) >= 4  # requests were decoded together, not one after another
+    timing = dict(part.split("=") for part in frontend.reply("whole-1")["headers"]["x-tsbatch-timing"].split("; "))
+    assert 0 < float(timing["first_token"]) <= float(timing["total"])
+    assert "total" not in frontend.reply("stream-1")["headers"]["x-tsbatch-timing"]  # headers go with the first line
+
+
+def test_a_full_queue_is_answered_503_with_retry_after_and_the_rest_are_served(runner, tmp_path):
+    from tsbatch.handlers.generation_handler import GenerationHandler
+    from tests.support import make_context
+
+    archive = tmp_path / "archive"
+    archive.mkdir()
+    os.symlink(runner.lm.name_or_path, archive / "model")
+    section = {"task": "generation", "max_new_tokens": 40, "max_running": 1, "queue_cap": 1}
+    handler = GenerationHandler()
+    handler.initialize(make_context(str(archive), section, batch_size=1))
+    frontend = AsyncFrontend(handler, make_context(str(archive), section, batch_size=1))
+
+    async def clients():  # submitted within one turn of the loop, while the first takes 40 steps
+        await asyncio.gather(*(frontend.ask(f"r{i}", {"text": t, "max_new_tokens": 40}) for i, t in enumerate(TEXTS)))
+
+    try:
+        asyncio.run(clients())
+    finally:
+        handler.close()
+    replies = [frontend.reply(f"r{i}") for i in range(len(TEXTS))]
+    refused = [r for r in replies if r["status"] == 503]
+    assert replies[0]["status"] == 200 and refused and all(r["status"] in (200, 503) for r in replies)
+    assert all(r["headers"].get("Retry-After") == "1" and json.loads(r["body"])["code"] == 503 for r in refused)
+    assert "cap 1" in json.loads(refused[0]["body"])["error"]
+
+
+def test_the_runner_knows_what_one_kv_cache_token_costs(runner):
+    assert runner.kv_bytes_per_token == 2 * 2 * 32 * 4  # layers x (keys, values) x width x float32
 
 
 def test_bad_asks_fail_alone_with_their_own_status_and_the_frontend_forgets_them(runner, served):

@@ -393,3 +393,15 @@ def test_the_generation_settings_name_a_misspelt_key_and_check_the_policy_at_loa
         GenerationConfig.from_section({"max_new_tokens": 32, "default_new_tokens": 64})
     with pytest.raises(ConfigError, match="preempt_for_priority must be true or false"):
         GenerationConfig.from_section({"preempt_for_priority": "yes"})
+
+
+def test_on_a_device_the_kv_bound_is_what_a_share_of_its_free_memory_holds_or_the_configured_one_if_smaller():
+    from tsbatch.handlers.generation_api import GenerationConfig, kv_bound_for
+
+    assert kv_bound_for(free_bytes=10_000, bytes_per_token=512, share=0.8) == 15
+    assert kv_bound_for(free_bytes=100, bytes_per_token=512, share=0.8) == 1
+    config = GenerationConfig.from_section({"kv_bound": 100, "kv_memory_share": 0.5})
+    assert config.policy(kv_bound=40).kv_bound == 40 and config.policy(kv_bound=4000).kv_bound == 100
+    assert config.policy().kv_bound == 100
+    with pytest.raises(ConfigError, match="kv_memory_share must be a fraction above 0 and at most 1, got 1.5"):
+        GenerationConfig.from_section({"kv_memory_share": 1.5})
