@@ -24,6 +24,7 @@ from tsbatch.handlers.generation_scheduler import (GenerationRequest, Generation
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT = 1.0  # seconds an idle loop sleeps before looking again (a submit wakes it at once)
+BLOCKED_WAIT = 0.01  # seconds a loop with sequences live but none to run waits before planning again
 
 
 class Waiter(Protocol):
@@ -102,10 +103,8 @@ class GenerationEngine:
         """Plan, run and settle one step; None when nothing was live."""
         with self.cond:
             plan = self.scheduler.schedule(self.clock())
-        for seq in plan.preempted:
-            self.caches.pop(seq, None)
+        self._drop_caches()  # preempted, expired, refused, or cancelled since the last step
         for seq in plan.ended:
-            self.caches.pop(seq, None)
             _tell(seq, "settle")
         if not plan.runs:
             return plan if plan.ended or plan.preempted else None
@@ -115,13 +114,17 @@ class GenerationEngine:
         for seq in plan.runs:
             if seq.status is Status.RUNNING and seq in caches:
                 self.caches[seq] = caches[seq]
-            elif seq.status is not Status.RUNNING:
-                self.caches.pop(seq, None)
             if seq in outcome.tokens and seq not in outcome.eos and seq.status in (Status.RUNNING, Status.FINISHED):
                 _tell(seq, "token", outcome.tokens[seq])
+        self._drop_caches()
         for seq in ended:
             _tell(seq, "settle")
         return plan
+
+    def _drop_caches(self) -> None:
+        """Keep the caches of running sequences only (the loop's thread alone touches them)."""
+        for seq in [s for s in self.caches if s.status is not Status.RUNNING]:
+            del self.caches[seq]
 
     def _run(self, plan: StepPlan) -> tuple[StepOutcome, dict[Seq, SequenceCache]]:
         """The step's outcome (tokens for the sequences that ran, failures found alone, or out of
@@ -184,10 +187,10 @@ class GenerationEngine:
                 logger.exception("tsbatch generation: step failed")
                 self._fail_all(ModelFailed("the generation engine failed on this step; see the worker log"))
                 plan = None
-            if plan is None:
+            if plan is None or not plan.runs:
                 with self.cond:
-                    if not self.stopping and not len(self.scheduler):
-                        self.cond.wait(IDLE_WAIT)
+                    if not self.stopping:  # a submit wakes it at once
+                        self.cond.wait(IDLE_WAIT if not len(self.scheduler) else BLOCKED_WAIT)
 
     def _fail_all(self, error: ServingError) -> None:
         with self.cond:

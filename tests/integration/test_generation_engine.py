@@ -512,3 +512,17 @@ def test_a_bad_handler_section_fails_the_load_with_the_key_named(runner, tmp_pat
                              ({"token_budget": 4, "max_running": 8}, "token_budget .4. must be at least max_running")):
         with pytest.raises(ConfigError, match=message):
             GenerationHandler().initialize(make_context(str(tmp_path), section))
+
+
+def test_a_sequence_cancelled_between_steps_loses_its_seat_and_its_cache_at_the_next_step(runner):
+    texts = prompts(2, seed=10)
+    engine = engine_for(runner)
+    gone = engine.submit(ask("gone", texts[0], 30))
+    stays = engine.submit(ask("stays", texts[1], 30))
+    engine.step()
+    engine.step()
+    assert gone in engine.caches and engine.cancel(gone)
+    plan = engine.step()
+    assert plan.decode == (stays,) and gone not in engine.caches and len(gone.tokens) == 2
+    drive(engine, {0: []})
+    assert stays.tokens == alone(runner, texts[1], 30) and engine.caches == {}
