@@ -78,9 +78,14 @@ class GenerationRunner:
         self.max_positions = int(getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions"))
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else (min(self.eos_ids) if self.eos_ids else 0)  # masked anyway
-        [probe] = self.prefill([[self.pad_id]])  # one token's cache: what each KV-cache token costs
+        try:  # one prefill and one decode step at load: a model these steps cannot drive fails here, not later
+            [probe] = self.prefill([[self.pad_id]])
+            self.decode([(self.pad_id, probe.cache)])
+        except Exception as error:
+            raise ConfigError(f"{model_dir} cannot run a generation step (prefill then decode with a KV cache): "
+                              f"{type(error).__name__}: {error}") from error
         self.kv_bytes_per_token = sum(k.numel() * k.element_size() + v.numel() * v.element_size()
-                                      for k, v in probe.cache.layers)
+                                      for k, v in probe.cache.layers)  # one token's cache
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]

