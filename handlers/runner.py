@@ -2,7 +2,10 @@
 
 A Model of the public API (handlers/api.py) like any team's own: `prepare` tokenizes one request
 (so its length is known before batching), `forward` runs one planned Batch as one pass, padded to
-the batch's bucket edge, and `example` makes warmup's inputs.
+the batch's bucket edge, and `example` makes warmup's inputs. A pass runs the model in
+`handler.dtype` (inputs stay token ids, answers come back as float32), as a TorchScript trace
+kept only if it answers exactly as eager, and on CUDA with `handler.cuda_graphs` as the graph
+captured for its shape at warmup (handlers/graphs.py decides which; the capture is here).
 """
 from __future__ import annotations
 
@@ -25,10 +28,13 @@ from transformers import (
 
 from tsbatch.handlers.api import Model, Request
 from tsbatch.handlers.buckets import Batch
-from tsbatch.handlers.config import HandlerConfig, Task
+from tsbatch.handlers.config import Dtype, HandlerConfig, Task
 from tsbatch.handlers.entities import group_entities
 from tsbatch.handlers.errors import ConfigError, InputTooLong
-from tsbatch.handlers.isolate import is_out_of_memory
+from tsbatch.handlers.graphs import GraphBook, graph_limit
+from tsbatch.handlers.isolate import describe, is_out_of_memory
+from tsbatch.handlers.memory import budget_bytes
+from tsbatch.warmup.plan import Shape
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +45,9 @@ _MODEL_CLASSES = {
 }
 _PAD_VALUES = {"attention_mask": 0, "token_type_ids": 0}
 # Inputs longer than max_length x this many characters are tokenized from a prefix first (see
-# ModelRunner._tokenize_prefix): ordinary text has 4-6 characters per token.
+# EncoderModel._tokenize_prefix): ordinary text has 4-6 characters per token.
 PREFIX_CHARS_PER_TOKEN = 32
+DTYPES = {Dtype.FLOAT32: torch.float32, Dtype.FLOAT16: torch.float16, Dtype.BFLOAT16: torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -84,16 +91,28 @@ def model_max_length(model_path: str, tokenizer, model_config) -> int:
 
 
 class EncoderModel(Model):
-    """Loads a Hugging Face encoder from a local directory and runs planned batches on it."""
+    """Loads a Hugging Face encoder from a local directory and runs planned batches on it.
+    `graph_capture`: how CUDA graphs are captured (default: CudaGraphCapture on a CUDA device;
+    tests inject a fake to run the graph path on the CPU)."""
 
-    def __init__(self, config: HandlerConfig, model_path: str, gpu_id: int | None = None):
+    def __init__(self, config: HandlerConfig, model_path: str, gpu_id: int | None = None,
+                 graph_capture: "CudaGraphCapture | None" = None):
         if config.task is None:
             raise ConfigError(f"handler.task is required: one of {[t.value for t in Task]}")
         if not os.path.isdir(model_path):
             raise ConfigError(f"model directory {model_path} does not exist")
+        if config.cuda_graphs and config.compile:
+            raise ConfigError("handler.cuda_graphs and handler.compile are both on: pick one (torch.compile "
+                              "captures its own graphs; tsbatch captures the trace's or the eager model's)")
         self.config = config
         self.task = config.task
         self.device = resolve_device(config.device, gpu_id)
+        self.dtype = DTYPES[Dtype(config.dtype)]
+        if self.device.type == "cpu" and self.dtype is not torch.float32:
+            # allowed (answers stay within tolerance), but rarely what a CPU wants
+            logger.warning("tsbatch: handler.dtype is %s on the CPU: unless the CPU has matrix units for it "
+                           "(AMX, AVX512-BF16/FP16), its passes run slower than float32 (torch sees %s)",
+                           Dtype(config.dtype).value, torch.backends.cpu.get_cpu_capability())
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
@@ -102,7 +121,7 @@ class EncoderModel(Model):
         model = _MODEL_CLASSES[self.task].from_pretrained(
             model_path, local_files_only=True, use_safetensors=True
         )
-        self.model = model.to(self.device, dtype=torch.float32).eval()
+        self.model = model.to(self.device, dtype=self.dtype).eval()
         self.compiled = False
         self._graphs_at_ready: int | None = None
         self.recompiles_after_ready = 0  # graphs compiled after READY: shapes warmup missed
@@ -116,6 +135,20 @@ class EncoderModel(Model):
         self.pad_id = self.tokenizer.pad_token_id or 0
         self.id2label = {int(k): v for k, v in (self.model.config.id2label or {}).items()}
         self.traced = self._trace() if config.trace and not config.compile else None
+        self.graphs = self._graphs(graph_capture)
+
+    def _graphs(self, capture: "CudaGraphCapture | None") -> "_Graphs | None":
+        """The shapes' CUDA graphs, captured as warmup first runs each (handler.cuda_graphs)."""
+        if not self.config.cuda_graphs:
+            return None
+        if capture is None:
+            if self.device.type != "cuda":
+                logger.info("tsbatch: handler.cuda_graphs is off on %s: CUDA graphs need a CUDA device", self.device)
+                return None
+            capture = CudaGraphCapture(self.device)
+        total = capture.total_bytes()
+        budget = budget_bytes(self.config.memory_budget, total) if self.config.memory_budget is not None else total
+        return _Graphs(GraphBook(graph_limit(budget)), capture)
 
     def _trace(self) -> "_Traced | None":
         """The model traced, kept only if it answers exactly as eager: on the padded batch it was
@@ -161,8 +194,11 @@ class EncoderModel(Model):
         return Encoding(features, offsets, text)
 
     def ready(self) -> None:
-        """From now on any compilation is a shape warmup missed: remember the count to compare."""
+        """From now on any compilation is a shape warmup missed: remember the count to compare;
+        no CUDA graph is captured after this."""
         self._graphs_at_ready = _compiled_graphs() if self.compiled else None
+        if self.graphs is not None:
+            self.graphs.book.mark_ready()
 
     def _check_recompiled(self, batch: Batch) -> None:
         if self._graphs_at_ready is None:
@@ -178,9 +214,10 @@ class EncoderModel(Model):
         """What the latency profile and logs record about this runner."""
         return {
             "device": str(self.device),
-            "dtype": "float32",
+            "dtype": Dtype(self.config.dtype).value,
             "compile": self.compiled,
             "trace": self.traced is not None,
+            "cuda_graphs": self.graphs is not None,  # what each shape got: the log at READY, graphs.book
             "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__,
             "transformers": transformers.__version__,
@@ -235,18 +272,25 @@ class EncoderModel(Model):
     def forward(self, batch: Batch) -> list[dict[str, Any]]:
         inputs = self._collate([item.input for item in batch.items], batch.bucket)
         try:
-            # the first output: last_hidden_state for embeddings, logits for classifiers
-            output = self.traced(inputs) if self.traced is not None else self.model(**inputs)[0]
+            if self.graphs is not None:
+                output = self.graphs.run(Shape(batch.size, batch.bucket), inputs, self._pass)
+            else:
+                output = self._pass(inputs)
         except Exception as error:
             if self.device.type == "cuda" and is_out_of_memory(error):
                 torch.cuda.empty_cache()  # give the split halves the memory this pass held
             raise
         self._check_recompiled(batch)
+        output = output.float()  # pooling and softmax in float32 whatever the model's dtype
         if self.task is Task.EMBEDDING:
             return self._embeddings(output, inputs["attention_mask"], batch)
         if self.task is Task.SEQUENCE_CLASSIFICATION:
             return self._sequence_labels(output)
         return self._entities(output, batch)
+
+    def _pass(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The model's first output: last_hidden_state for embeddings, logits for classifiers."""
+        return self.traced(inputs) if self.traced is not None else self.model(**inputs)[0]
 
     def _collate(self, encodings: Sequence[Encoding], length: int) -> dict[str, torch.Tensor]:
         columns: dict[str, list[list[int]]] = {}
@@ -329,6 +373,98 @@ class _FirstOutput(torch.nn.Module):
 
     def forward(self, *tensors: torch.Tensor) -> torch.Tensor:
         return self.model(**dict(zip(self.keys, tensors)))[0]
+
+
+class CudaGraphCapture:
+    """The CUDA side of a graph: capture one pass into a torch.cuda.CUDAGraph with its own memory
+    pool, and what the device holds: the caching allocator's reserved bytes once its free cache is
+    emptied (a graph's pool stays reserved for as long as the graph lives, and capture itself
+    empties the cache, so a plain before/after of memory_reserved could even come out negative).
+    Only called at warmup, before READY."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def total_bytes(self) -> int:
+        return torch.cuda.get_device_properties(self.device).total_memory
+
+    def held_bytes(self) -> int:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        return torch.cuda.memory_reserved(self.device)
+
+    def capture(self, run, static_inputs: dict[str, torch.Tensor]) -> tuple[Any, torch.Tensor]:
+        """The graph of `run(static_inputs)` and its output tensor, which every replay rewrites.
+        Nothing runs during capture: the buffers' contents do not matter until a replay."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.device(self.device), torch.cuda.graph(graph):
+            output = run(static_inputs)
+        return graph, output
+
+    def release(self) -> None:
+        """After a capture that failed or was dropped: give its pool back."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+
+
+class _ShapeGraph:
+    """One shape's graph and its static buffers: a pass copies its inputs in, replays, and takes a
+    copy of the output (the next replay rewrites it). One pass at a time per graph: lanes are
+    threads."""
+
+    def __init__(self, graph: Any, static_inputs: dict[str, torch.Tensor], output: torch.Tensor):
+        self.graph, self.static_inputs, self.output = graph, static_inputs, output
+        self.lock = threading.Lock()
+
+    def __call__(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        with self.lock:
+            for key, buffer in self.static_inputs.items():
+                buffer.copy_(inputs[key])
+            self.graph.replay()
+            return self.output.clone()
+
+
+class _Graphs:
+    """Passes through the CUDA graph of their shape: the first pass of a shape before READY runs
+    eager and is then captured, kept only if its replay answers exactly as that pass did (as the
+    trace is checked); the decisions and the memory bookkeeping are handlers/graphs.py's."""
+
+    def __init__(self, book: GraphBook, capture: CudaGraphCapture):
+        self.book, self.capture = book, capture
+        self.by_shape: dict[Shape, _ShapeGraph] = {}
+
+    def run(self, shape: Shape, inputs: dict[str, torch.Tensor], run) -> torch.Tensor:
+        graph = self.by_shape.get(shape)
+        if graph is not None:
+            return graph(inputs)
+        output = run(inputs)
+        if self.book.should_capture(shape):
+            self._capture(shape, inputs, run, output)
+        else:
+            self.book.met_eager(shape)
+        return output
+
+    def _capture(self, shape: Shape, inputs: dict[str, torch.Tensor], run, eager: torch.Tensor) -> None:
+        before = self.capture.held_bytes()
+        candidate, reason, off = None, None, False
+        try:
+            # zeros at capture, then the pass's own inputs copied in for the check: it covers the copy too
+            static = {key: torch.zeros_like(tensor) for key, tensor in inputs.items()}
+            graph, output = self.capture.capture(run, static)
+            candidate = _ShapeGraph(graph, static, output)
+            del graph, output
+            if not torch.equal(candidate(inputs), eager):
+                reason = "its replay answered differently from the eager pass"
+        except Exception as error:  # noqa: BLE001 - a shape that cannot be captured runs eager
+            off = not is_out_of_memory(error)
+            reason = describe(error) if off else f"out of memory at capture ({describe(error)})"
+        if reason is None:
+            self.by_shape[shape] = candidate
+            self.book.record(shape, self.capture.held_bytes() - before)
+            return
+        candidate = None  # its pool goes back once nothing holds the graph
+        self.capture.release()
+        (self.book.turn_off if off else self.book.refuse)(shape, reason)
 
 
 def _compiled_graphs() -> int:

@@ -40,6 +40,22 @@ def test_traced_answers_are_eagers_bit_for_bit(task, minilm_dir, tiny_models):
     assert answers[True] == answers[False]
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_the_trace_holds_within_a_dtype(minilm_dir, dtype):
+    """Traced answers are eager's bit for bit in half precision too: the trace is checked in the
+    model's own dtype."""
+    answers = {}
+    for trace in (True, False):
+        handler, context = load_handler(minilm_dir, dtype=dtype, trace=trace, buckets=[16, 64, 256])
+        assert (handler.model.traced is not None) is trace
+        assert handler.model.model.dtype == runner.DTYPES[runner.Dtype(dtype)]
+        replies = call(handler, context, TEXTS)
+        assert all(r.status == 200 for r in replies), [r.body for r in replies]
+        answers[trace] = [r.body for r in replies]
+        handler.close()
+    assert answers[True] == answers[False]
+
+
 def test_compile_takes_the_place_of_the_trace(minilm_dir):
     model = runner.EncoderModel(HandlerConfig(task=Task.EMBEDDING, compile=True), minilm_dir)
     assert model.traced is None and model.describe()["trace"] is False
