@@ -395,10 +395,19 @@ class CudaGraphCapture:
 
     def capture(self, run, static_inputs: dict[str, torch.Tensor]) -> tuple[Any, torch.Tensor]:
         """The graph of `run(static_inputs)` and its output tensor, which every replay rewrites.
-        Nothing runs during capture: the buffers' contents do not matter until a replay."""
+        Capture records kernels without running them, so the buffers' contents do not matter until
+        a replay (a forward that branches on its values syncs with the host, and that fails capture)."""
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.device(self.device), torch.cuda.graph(graph):
-            output = run(static_inputs)
+        with torch.cuda.device(self.device):
+            capturing = torch.cuda.graph(graph)
+            # one pass on the stream capture will use first, as torch's docs prescribe: whatever
+            # that stream makes lazily (a cuBLAS workspace) is made before capture, not inside it
+            capturing.capture_stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(capturing.capture_stream):
+                run(static_inputs)
+            torch.cuda.current_stream().wait_stream(capturing.capture_stream)
+            with capturing:
+                output = run(static_inputs)
         return graph, output
 
     def release(self) -> None:
