@@ -3,10 +3,9 @@ causal-LM directory with safetensors weights, scheduled token by token.
 
 It runs in TorchServe's async mode (`asyncCommunication: true`): each request is a coroutine that
 submits to the worker's one GenerationEngine (handlers/generation_engine.py) and awaits its
-tokens. Answers go out as intermediate replies and the final reply is empty, so TorchServe 0.12's
-async frontend forgets every job (a plain reply would stay on its heap); an error before any
-token goes out as a full reply with its own status. A streamed request gets one line per token.
-The request and answer shapes and the settings are handlers/generation_api.py's.
+tokens; a streamed request gets one line per token. How answers and errors go back over HTTP and
+gRPC is handlers/generation_replies.py's; the request and answer shapes and the settings are
+handlers/generation_api.py's.
 """
 from __future__ import annotations
 
@@ -15,19 +14,16 @@ import json
 import logging
 import os
 import time
-from http import HTTPStatus
 
 from tsbatch.handlers import socket_guard
-from tsbatch.handlers.errors import BadInput, InputTooLong, ModelFailed, Overloaded, ServingError
+from tsbatch.handlers.errors import BadInput, InputTooLong, ModelFailed, ServingError
 from tsbatch.handlers.generation_api import (GenerationConfig, TextStream, answer_body, deadline_of, kv_bound_for,
                                              line, parse_ask, priority_of)
+from tsbatch.handlers.generation_replies import JSON, NDJSON, Reply, is_http
 from tsbatch.handlers.generation_scheduler import GenerationRequest, GenerationScheduler, Status
 
 logger = logging.getLogger(__name__)
 
-JSON = "application/json"
-NDJSON = "application/x-ndjson"
-WORKER_HEADER = "x-tsbatch-worker"  # as the encoder modes write it: pid of the worker that answered
 TIMING_HEADER = "x-tsbatch-timing"  # the encoder modes' header, with generation's own parts
 
 
@@ -70,8 +66,7 @@ class GenerationHandler:
 
     async def handle(self, data: list, context) -> list:
         """Never raises: one raise in async mode fails every request in flight on the worker."""
-        await asyncio.gather(*(self._serve(index, row, context) for index, row in enumerate(data)))
-        return [""] * len(data)  # the answers went out as intermediate replies
+        return list(await asyncio.gather(*(self._serve(index, row, context) for index, row in enumerate(data))))
 
     def close(self) -> None:
         """Stop the engine's thread (tests; TorchServe ends a worker by ending its process)."""
@@ -79,27 +74,30 @@ class GenerationHandler:
             self.engine.stop()
             self.engine = None
 
-    async def _serve(self, index: int, row, context) -> None:
+    async def _serve(self, index: int, row, context) -> str:
+        """Answer one request; returns its body for the final reply (handlers/generation_replies.py)."""
+        headers = _headers(context, index)
+        reply = Reply(index, context, is_http(headers))
         try:
-            seq, waiter, ask = self._submit(index, row, context)
+            seq, waiter, ask = self._submit(index, row, headers, context)
         except ServingError as error:
-            _fail(index, error, context)
-            return
+            reply.fail(error)
+            return reply.final()
         except Exception as error:  # noqa: BLE001 - a bug on one request answers that request alone
             logger.exception("tsbatch generation: request %s", context.request_ids.get(index))
-            _fail(index, ModelFailed(f"the handler failed on this request: {type(error).__name__}"), context)
-            return
+            reply.fail(ModelFailed(f"the handler failed on this request: {type(error).__name__}"))
+            return reply.final()
         try:
-            await (self._stream if ask.stream else self._whole)(index, seq, waiter, context)
+            await (self._stream if ask.stream else self._whole)(seq, waiter, reply)
         except Exception:  # noqa: BLE001 - e.g. the event loop closing: free the seat, never raise
             logger.exception("tsbatch generation: answering %s", seq.rid)
             self.engine.cancel(seq)
+        return reply.final()
 
-    def _submit(self, index: int, row, context):
+    def _submit(self, index: int, row, headers: dict, context):
         from tsbatch.handlers.generation_engine import AsyncWaiter
 
         now = time.monotonic()
-        headers = _headers(context, index)
         ask = parse_ask(row.get("body", row.get("data")) if isinstance(row, dict) else row, self.config)
         priority, deadline = priority_of(headers), deadline_of(headers, self.config, now)
         prompt = self.runner.encode(ask.text)
@@ -113,37 +111,28 @@ class GenerationHandler:
         seq = self.engine.submit(GenerationRequest(rid, tuple(prompt), ask.max_new_tokens, now, priority, deadline), waiter)
         return seq, waiter, ask
 
-    async def _whole(self, index: int, seq, waiter, context) -> None:
+    async def _whole(self, seq, waiter, reply: Reply) -> None:
         while (await waiter.next_event())[0] != "end":
             pass
-        _timing(index, seq, context)
+        _timing(reply, seq)
         if seq.status is not Status.FINISHED:
-            _fail(index, seq.error or ModelFailed("the request ended without an answer"), context)
+            reply.fail(seq.error or ModelFailed("the request ended without an answer"))
             return
-        body = answer_body(self.runner.decode_text(seq.tokens), len(seq.tokens), seq.stop)
-        _send(index, json.dumps(body), JSON, context)
+        reply.piece(json.dumps(answer_body(self.runner.decode_text(seq.tokens), len(seq.tokens), seq.stop)), JSON)
 
-    async def _stream(self, index: int, seq, waiter, context) -> None:
+    async def _stream(self, seq, waiter, reply: Reply) -> None:
         text = TextStream(self.runner.decode_text)
-        sent = False
         while True:
             kind, value = await waiter.next_event()
+            if not reply.pieces:  # the first reply fixes the headers: the time to the first token is what they can say
+                _timing(reply, seq)
             if kind == "token":
-                if not sent:  # the first reply fixes the headers: the time to the first token is all they can say
-                    _timing(index, seq, context)
-                _send(index, line({"token": value, "text": text.add(value)}), NDJSON, context)
-                sent = True
+                reply.piece(line({"token": value, "text": text.add(value)}), NDJSON)
                 continue
-            if not sent:
-                _timing(index, seq, context)
             if seq.status is Status.FINISHED:
-                _send(index, line(answer_body(self.runner.decode_text(seq.tokens), len(seq.tokens), seq.stop)),
-                      NDJSON, context)
-            elif sent:  # the status went out with the first line: the error is the stream's last line
-                _send(index, line((seq.error or ModelFailed("the request ended without an answer")).to_body()),
-                      NDJSON, context)
+                reply.piece(line(answer_body(self.runner.decode_text(seq.tokens), len(seq.tokens), seq.stop)), NDJSON)
             else:
-                _fail(index, seq.error or ModelFailed("the request ended without an answer"), context)
+                reply.fail(seq.error or ModelFailed("the request ended without an answer"))
             return
 
 
@@ -156,7 +145,7 @@ def _headers(context, index: int) -> dict:
     return {str(k).lower(): v for k, v in headers.items()}
 
 
-def _timing(index: int, seq, context) -> None:
+def _timing(reply: Reply, seq) -> None:
     """x-tsbatch-timing: ms from arrival to the first token and to the end, as far as known."""
     arrived = seq.request.arrived
     parts = [f"{name}={(at - arrived) * 1000:.1f}" for name, at in
@@ -164,27 +153,4 @@ def _timing(index: int, seq, context) -> None:
     if seq.preemptions:
         parts.append(f"preempted={seq.preemptions}")
     if parts:
-        context.set_response_header(index, TIMING_HEADER, "; ".join(parts))
-
-
-def _send(index: int, body: str, content_type: str, context) -> None:
-    """One intermediate reply (status 200, ts_stream_next: true): a whole answer or one line of a stream."""
-    from ts.handler_utils.utils import send_intermediate_predict_response
-
-    context.set_response_content_type(index, content_type)
-    context.set_response_header(index, WORKER_HEADER, str(os.getpid()))
-    send_intermediate_predict_response({index: body}, {index: context.request_ids[index]}, "tsbatch", 200, context)
-
-
-def _fail(index: int, error: ServingError, context) -> None:
-    """An error as a full reply with its own status; the empty final reply then carries
-    ts_stream_next=false, so the frontend forgets the job too."""
-    from ts.protocol.otf_message_handler import create_predict_response
-
-    context.set_response_content_type(index, JSON)
-    context.set_response_status(error.status, HTTPStatus(error.status).phrase, idx=index)
-    if isinstance(error, Overloaded):
-        context.set_response_header(index, "Retry-After", "1")
-    context.cl_socket.sendall(create_predict_response({index: json.dumps(error.to_body())},
-                                                      {index: context.request_ids[index]}, "tsbatch", 200, context))
-    context.set_response_header(index, "ts_stream_next", "false")
+        reply.context.set_response_header(reply.index, TIMING_HEADER, "; ".join(parts))

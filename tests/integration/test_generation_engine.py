@@ -348,12 +348,20 @@ class AsyncFrontend:
         self.socket = BackendSocket()
         self.service = SimpleNamespace(context=context, cl_socket=self.socket, _entry_point=handler.handle)
 
-    async def ask(self, rid: str, body, headers: dict | None = None, content_type: str = "application/json"):
+    async def ask(self, rid: str, body, headers: dict | None = None, content_type: str = "application/json",
+                  grpc: bool = False):
+        """One request over HTTP (with the headers every HTTP request has), or over gRPC, whose
+        requests reach the worker with no headers and no content type, the body as bytes."""
         from ts.async_service import predict
 
-        value = json.dumps(body).encode() if content_type != "application/json" and isinstance(body, dict) else body
-        request = {"requestId": rid.encode(), "parameters": [{"name": "body", "value": value, "contentType": content_type}],
-                   "headers": [{"name": k.encode(), "value": v.encode()} for k, v in (headers or {}).items()]}
+        if grpc:
+            value, content_type, headers = (json.dumps(body).encode() if isinstance(body, dict) else body), "", {}
+        else:
+            value = json.dumps(body).encode() if content_type != "application/json" and isinstance(body, dict) else body
+            headers = {"Host": "127.0.0.1:8080", "Content-Length": "10", **(headers or {})}
+        request = {"requestId": rid.encode(), "parameters": [{"name": "data" if grpc else "body", "value": value,
+                                                              "contentType": content_type}],
+                   "headers": [{"name": k.encode(), "value": v.encode()} for k, v in headers.items()]}
         final = await predict(self.service, [request])
         self.socket.sendall(final)  # as AsyncService.send_responses does
 
@@ -450,6 +458,24 @@ def test_a_full_queue_is_answered_503_with_retry_after_and_the_rest_are_served(r
 
 def test_the_runner_knows_what_one_kv_cache_token_costs(runner):
     assert runner.kv_bytes_per_token == 2 * 2 * 32 * 4  # layers x (keys, values) x width x float32
+
+
+def test_over_grpc_every_answer_is_one_final_reply_so_a_predictions_call_is_never_answered_twice(runner, served):
+    handler, frontend = served
+    tokens = alone(runner, runner.encode(TEXTS[1]), 10)
+
+    async def clients():
+        await asyncio.gather(frontend.ask("whole", {"text": TEXTS[1], "max_new_tokens": 10}, grpc=True),
+                             frontend.ask("stream", {"text": TEXTS[1], "max_new_tokens": 10, "stream": True}, grpc=True),
+                             frontend.ask("bad", {"text": TEXTS[1], "max_new_tokens": 0}, grpc=True))
+
+    asyncio.run(clients())
+    whole, stream, bad = (frontend.reply(rid) for rid in ("whole", "stream", "bad"))
+    assert [r["replies"] for r in (whole, stream, bad)] == [1, 1, 1]  # and each marked ts_stream_next=false
+    assert json.loads(whole["body"])["new_tokens"] == len(tokens)
+    lines = [json.loads(x) for x in stream["body"].decode().splitlines()]
+    assert [x["token"] for x in lines[:-1]] == tokens and lines[-1] == json.loads(whole["body"])
+    assert json.loads(bad["body"])["code"] == 400  # gRPC drops the status: the body says it
 
 
 def test_bad_asks_fail_alone_with_their_own_status_and_the_frontend_forgets_them(runner, served):
