@@ -64,6 +64,8 @@ class GenerationEngine:
         self.cond = threading.Condition()  # guards the scheduler; the model runs outside it
         self.caches: dict[Seq, SequenceCache] = {}  # the loop's own: running sequences' KV caches
         self.splits = 0  # parts of steps that raised and were re-run in halves
+        self.steps = 0  # steps that ran the model
+        self.tokens = 0  # tokens made, all sequences together
         self.stopping = False
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
 
@@ -109,6 +111,8 @@ class GenerationEngine:
         if not plan.runs:
             return plan if plan.ended or plan.preempted else None
         outcome, caches = self._run(plan)
+        self.steps += 1
+        self.tokens += len(outcome.tokens) - len(outcome.eos)  # an end-of-sequence token is no part of an answer
         with self.cond:
             ended = self.scheduler.finished(plan, outcome, self.clock())
         for seq in plan.runs:
@@ -120,6 +124,15 @@ class GenerationEngine:
         for seq in ended:
             _tell(seq, "settle")
         return plan
+
+    def stats(self) -> dict[str, int]:
+        """What the metrics report: sequences running and waiting, KV-cache tokens in use against the
+        bound, and counts since start (steps, tokens made, preemptions, out-of-memory steps, isolation splits)."""
+        with self.cond:
+            s = self.scheduler
+            return {"running": len(s.running), "waiting": len(s.waiting), "kv_tokens": s.kv_in_use,
+                    "kv_bound": s.kv_bound, "steps": self.steps, "tokens": self.tokens, "preemptions": s.preemptions,
+                    "out_of_memory_steps": s.out_of_memory_steps, "splits": self.splits}
 
     def _drop_caches(self) -> None:
         """Keep the caches of running sequences only (the loop's thread alone touches them)."""

@@ -235,6 +235,10 @@ def test_out_of_memory_in_a_step_preempts_and_recovers_and_everyone_answers_as_a
     scheduler = engine.scheduler
     assert scheduler.out_of_memory_steps >= 1 and scheduler.preemptions >= 1 and scheduler.kv_bound <= 120
     assert [s.tokens for s in seqs] == reference
+    stats = engine.stats()
+    assert stats["tokens"] == sum(len(s.tokens) for s in seqs) and stats["running"] == stats["waiting"] == 0
+    assert stats["kv_bound"] == scheduler.kv_bound and stats["out_of_memory_steps"] == scheduler.out_of_memory_steps
+    assert stats["steps"] > max(len(s.tokens) for s in seqs)
 
 
 def test_a_sequence_that_does_not_fit_even_alone_fails_507_and_the_rest_go_on(runner):
