@@ -2,8 +2,9 @@
 
 `schedule(now)` plans a step: every running sequence decodes one token, and waiting requests are
 prefilled and join, in turn by priority class then arrival, while the step's tokens stay within
-`token_budget` (a decode feeds one token, a prefill its whole context) and the KV-cache tokens
-live after the step within `kv_bound`. What no longer fits is preempted: the lowest priority
+`token_budget` (a decode feeds one token, a prefill its whole context; a step's first prefill
+may pass it, else a long prompt could never run) and the KV-cache tokens live after the step
+within `kv_bound`. What no longer fits is preempted: the lowest priority
 first, then the youngest (last to join); it goes back to waiting and is recomputed from its
 prompt and the tokens it already has. A high-priority request may preempt lower classes to join.
 `finished(plan, outcome, now)` settles the step: a sequence leaves at end-of-sequence or at its
