@@ -1,0 +1,606 @@
+"""A deterministic discrete-event simulator of a TorchServe worker, running the policy itself.
+
+`tsbatch tune` asks it which configuration to ship and `tsbatch simulate` answers "what would this
+archive do under that traffic" in seconds. A tsbatch arm runs the very Policy the lane threads run
+(handlers/policy.py), with pass times drawn from the latency profile with its spread (lognormal
+through the shape's median and p90), on cores shared by processor sharing: every running pass's
+threads and the per-request work outside passes (TorchServe's frontend, its protocol, parsing and
+JSON) divide the machine's cores, and passes slow down when they outnumber them. The continuous
+mode's call cycle is modelled as TorchServe drives it: a worker holding requests takes new ones in
+only when its call returns (a request done, or its `poll_ms` hold, replies paced as
+handlers/modes/continuous_mode.reply_pace says); a worker with siblings answers each call whole and
+the frontend queues what arrives while every worker is inside a call. First-come arms model
+TorchServe's own batching (batchSize, maxBatchDelay, a batch padded to its longest input or to
+max_length), the controls of `make bench`.
+
+Pure and deterministic: no torch, no clock, no threads; the same inputs and seed give the same
+figures. What it does not model: the GIL, memory bandwidth, and a machine whose speed drifts.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import json
+import math
+import os
+import random
+from dataclasses import dataclass, field, replace
+from typing import Callable, Sequence
+
+from tsbatch.handlers.buckets import Item, bucket_for, bucket_tokens
+from tsbatch.handlers.config import HandlerConfig
+from tsbatch.handlers.cost import CostModel
+from tsbatch.handlers.errors import Overloaded
+from tsbatch.handlers.modes.continuous_mode import reply_pace
+from tsbatch.handlers.policy import Plan, Policy, PolicySettings, Ticket, split_lanes, within_budget
+from tsbatch.warmup.profile import percentile
+
+WORKLOADS_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "workloads.json")
+Z90 = 1.2815515655446004  # the standard normal's 90th percentile
+SHORT_TOKENS = 64  # a request of at most this many tokens is "short" (as make bench counts)
+
+
+@dataclass(frozen=True)
+class Overheads:
+    """What a request costs outside the passes. Defaults from the project's own measurements:
+    bench/results/saturation.md (frontend 0.181 + worker main thread 0.224 + client 0.086 cores at
+    116 req/s: 4.2 ms of a core per request) and the light-load breakdown of bench/results/
+    bench-search.md (outside the handler 5.2 ms per short request at 10 req/s)."""
+
+    cpu_per_request: float = 0.0042  # core-seconds per request outside passes (all processes)
+    latency: float = 0.0052  # seconds a request spends outside the handler at light load
+    window: float = 1.0  # seconds over which the frontend's recent load is counted
+
+
+@dataclass(frozen=True)
+class Arrival:
+    at: float  # seconds from the start
+    tokens: int  # the request's length, as the model's tokenizer counts it (before truncation)
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One way of serving: tsbatch (the archive's handler config and frontend keys) or first-come."""
+
+    name: str
+    kind: str = "tsbatch"  # "tsbatch" (continuous mode) or "first-come"
+    config: HandlerConfig = field(default_factory=HandlerConfig)
+    workers: int = 1
+    batch_size: int = 8  # first-come: TorchServe's batchSize; tsbatch: the frontend's call size
+    max_batch_delay_ms: int = 10  # first-come only
+    pad: str = "longest"  # first-come: "longest" or "max" (every request padded to max_length)
+    threads: int | None = None  # intra-op threads per worker (None: the config's, else cores / workers)
+
+
+@dataclass
+class Outcome:
+    arrival: float
+    tokens: int
+    status: int = 0  # 0: not answered when the simulation ended
+    answered: float = 0.0
+    padded_to: int = 0
+
+    @property
+    def kind(self) -> str:
+        return "short" if self.tokens <= SHORT_TOKENS else "long"
+
+
+def workload_tokens(name: str) -> list[int]:
+    """Token lengths of a named workload (search, short, long, two-cluster: make bench's, from
+    configs/workloads.json) or of a file: JSON, a list of lengths or {"tokens": [...]}, or plain
+    text with one length per line."""
+    with open(WORKLOADS_FILE) as f:
+        named = json.load(f)["workloads"]
+    if name in named:
+        return list(named[name]["tokens"])
+    if not os.path.isfile(name):
+        raise ValueError(f"unknown workload {name!r}: one of {', '.join(named)}, or a file of token lengths")
+    with open(name) as f:
+        text = f.read()
+    try:
+        data = json.loads(text)
+        values = data["tokens"] if isinstance(data, dict) else data
+    except (json.JSONDecodeError, KeyError, TypeError):
+        values = text.split()
+    try:
+        tokens = [int(v) for v in values]
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}: expected token lengths (whole numbers), one per line or as a JSON list") from None
+    if not tokens or min(tokens) < 1:
+        raise ValueError(f"{name}: expected at least one token length, each at least 1")
+    return tokens
+
+
+def poisson(rate: float, duration: float, tokens: Sequence[int], seed: int = 0) -> list[Arrival]:
+    """Open-loop Poisson arrivals at `rate` for `duration` seconds, lengths drawn from `tokens`."""
+    rng = random.Random(seed)
+    out, now = [], 0.0
+    while True:
+        now += rng.expovariate(rate)
+        if now >= duration:
+            return out
+        out.append(Arrival(now, rng.choice(tokens)))
+
+
+# -- pass times ---------------------------------------------------------------------------------------
+
+class PassTimes:
+    """Seconds of a pass alone, from the profile: exact for a measured shape, interpolated in
+    length and size otherwise (first-come pads to any length and any batch size); drawn with the
+    shape's spread. Threads: a profile per thread count; a count none was measured at is the
+    nearest profile scaled as if threads divided the time (optimistic for that arm)."""
+
+    def __init__(self, profiles: dict[int, object], seed: int = 0):
+        if not profiles:
+            raise ValueError("the simulator needs a latency profile")
+        self.tables = {t: _table(p) for t, p in profiles.items()}
+        self.cost = {t: CostModel.from_profile(p) for t, p in profiles.items()}
+        self.rng = random.Random(seed)
+
+    def cost_for(self, threads: int) -> CostModel:
+        """What the policy of an arm whose passes run on `threads` threads is told."""
+        return self.cost.get(threads) or self.cost[min(self.cost, key=lambda t: abs(t - threads))]
+
+    def median_p90(self, *, length: int, size: int, threads: int) -> tuple[float, float]:
+        measured = min(self.tables, key=lambda t: (abs(t - threads), -t))
+        median, p90 = _interpolate(self.tables[measured], length, size)
+        scale = measured / threads if threads > measured else 1.0
+        return median * scale, p90 * scale
+
+    def draw(self, *, length: int, size: int, threads: int) -> float:
+        median, p90 = self.median_p90(length=length, size=size, threads=threads)
+        sigma = math.log(p90 / median) / Z90 if p90 > median > 0 else 0.0
+        return median * math.exp(sigma * self.rng.gauss(0.0, 1.0)) if sigma else median
+
+
+def _table(profile) -> dict[int, dict[int, tuple[float, float]]]:
+    """bucket edge -> {batch size: (median s, p90 s)}, single-size buckets only."""
+    table: dict[int, dict[int, tuple[float, float]]] = {}
+    for shape in profile.shapes:
+        if isinstance(shape.bucket, int):
+            table.setdefault(shape.bucket, {}).setdefault(shape.batch, (shape.median_ms / 1000, shape.p90_ms / 1000))
+    if not table:
+        raise ValueError("the latency profile has no single-length shapes to simulate")
+    return table
+
+
+def _along(points: dict[int, tuple[float, float]], x: float) -> tuple[float, float]:
+    """Linear interpolation over sorted keys; past the ends, proportional to x from the nearest."""
+    keys = sorted(points)
+    if x <= keys[0]:
+        return tuple(v * x / keys[0] for v in points[keys[0]]) if x < keys[0] and len(keys) == 1 else points[keys[0]]
+    if x >= keys[-1]:
+        return tuple(v * x / keys[-1] for v in points[keys[-1]])
+    hi = next(k for k in keys if k >= x)
+    lo = max(k for k in keys if k <= x)
+    if hi == lo:
+        return points[lo]
+    w = (x - lo) / (hi - lo)
+    return tuple(a + w * (b - a) for a, b in zip(points[lo], points[hi]))
+
+
+def _interpolate(table, length: int, size: int) -> tuple[float, float]:
+    by_length = {edge: _along(sizes, size) for edge, sizes in table.items()}
+    return _along(by_length, max(1, length))
+
+
+# -- the machine ---------------------------------------------------------------------------------------
+
+class Simulation:
+    """Events on one clock; passes share the cores with the per-request work outside them."""
+
+    def __init__(self, cores: int, overheads: Overheads):
+        self.cores = cores
+        self.overheads = overheads
+        self.now = 0.0
+        self.events: list = []
+        self.seq = itertools.count()
+        self.running: dict[int, list] = {}  # pass id -> [alone seconds left, threads, version, done]
+        self.rate = 1.0  # progress of a pass per second of simulated time
+        self.seen = 0.0  # when `running` was last brought up to date
+        self.recent: list[float] = []  # arrival times within the frontend's window
+
+    def at(self, when: float, action: Callable[[], None]) -> None:
+        heapq.heappush(self.events, (when, next(self.seq), action))
+
+    def run(self, until: float) -> None:
+        while self.events and self.events[0][0] <= until:
+            when, _, action = heapq.heappop(self.events)
+            self.now = max(self.now, when)
+            action()
+
+    def arrived(self) -> None:
+        self.recent.append(self.now)
+        self._reflow()
+
+    def start(self, alone: float, threads: int, done: Callable[[], None]) -> None:
+        """Run a pass of `alone` seconds on `threads` threads; `done()` when it ends."""
+        self._advance()
+        pid = next(self.seq)
+        self.running[pid] = [alone, threads, 0, done]
+        self._reflow(advanced=True)
+
+    def _advance(self) -> None:
+        elapsed = self.now - self.seen
+        if elapsed > 0:
+            for entry in self.running.values():
+                entry[0] -= elapsed * self.rate
+        self.seen = self.now
+
+    def _reflow(self, advanced: bool = False) -> None:
+        if not advanced:
+            self._advance()
+        window = self.overheads.window
+        while self.recent and self.recent[0] < self.now - window:
+            self.recent.pop(0)
+        frontend = len(self.recent) / window * self.overheads.cpu_per_request
+        demand = sum(entry[1] for entry in self.running.values()) + frontend
+        self.rate = 1.0 / max(1.0, demand / self.cores)
+        for pid, entry in self.running.items():
+            entry[2] += 1
+            version = entry[2]
+            self.at(self.now + max(0.0, entry[0]) / self.rate, lambda pid=pid, version=version: self._end(pid, version))
+
+    def _end(self, pid: int, version: int) -> None:
+        entry = self.running.get(pid)
+        if entry is None or entry[2] != version:
+            return  # rescheduled since
+        self._advance()
+        del self.running[pid]
+        self._reflow(advanced=True)
+        entry[3]()
+
+
+# -- tsbatch in continuous mode ------------------------------------------------------------------------
+
+class TsbatchWorker:
+    """One worker: the Policy, its lanes as simulated passes, and the continuous mode's calls."""
+
+    def __init__(self, sim: Simulation, fleet: "Fleet", arm: Arm, times: PassTimes, max_length: int, alone: bool):
+        self.sim, self.fleet, self.arm, self.times = sim, fleet, arm, times
+        cfg = arm.config
+        self.edges = cfg.edges_for(max_length)
+        self.max_length = max_length
+        threads = arm.threads or cfg.torch_threads or max(1, sim.cores // arm.workers)
+        lanes = split_lanes(self.edges, cfg.long_lane_from)
+        self.lane_threads = max(1, threads // len(lanes))
+        settings = PolicySettings(edges=self.edges, max_wait=cfg.max_wait_ms / 1000, queue_cap=cfg.queue_cap,
+                                  age_bound=cfg.age_bound_ms / 1000, priority_aging=cfg.priority_aging_ms / 1000)
+        self.policy = Policy(settings, cfg.batch_limit, times.cost_for(self.lane_threads), lanes,
+                             [self.lane_threads] * len(lanes))
+        self.alone = alone
+        self.held: dict[int, Ticket] = {}  # request index -> its ticket while in this worker
+        self.done: dict[int, tuple[int, float | None]] = {}  # request index -> (status, deadline), answered at the next return
+        self.in_call = False
+        self.call = 0  # the call's number: a hold timeout of an earlier call is stale
+        self.returning = False  # a return is scheduled
+        self.replied = -math.inf
+        self.wakes = [0] * len(lanes)  # each lane's wake-up's number: a wake of an earlier wait is stale
+
+    # the frontend's side
+    @property
+    def idle(self) -> bool:
+        return not self.in_call
+
+    def take(self, requests: list[int]) -> None:
+        """A call brings `requests` (indexes into the fleet's outcomes); it starts now."""
+        now = self.sim.now
+        if not self.alone and len(requests) >= max(2, self.arm.batch_size // 4) and not self.fleet.any_idle(self):
+            requests = self._fit_call(requests)
+        for index in requests:
+            outcome = self.fleet.outcomes[index]
+            length = min(outcome.tokens, self.max_length)
+            bucket = bucket_for(length, self.edges)
+            deadline = now + max(0, self.arm.config.deadline_ms - self.arm.config.deadline_margin_ms) / 1000
+            ticket = Ticket(Item(index=index, text="", length=length, bucket=bucket), now, deadline=deadline,
+                            may_wait=self.alone)
+            try:
+                self.policy.admit([ticket], now)
+            except Overloaded:
+                self.fleet.answer(index, 503, now)
+                continue
+            self.held[index] = ticket
+        self.in_call = True
+        self.call += 1
+        self.returning = False
+        if self.alone:
+            call = self.call
+            self.sim.at(now + self._hold(), lambda: self._hold_over(call))
+        self._kick()
+        self._maybe_return()
+
+    def _fit_call(self, requests: list[int]) -> list[int]:
+        lanes = self.policy.lanes
+        lane_of = {b: i for i, s in enumerate(lanes) for b in s.buckets}
+        costs = []
+        for index in requests:
+            bucket = bucket_for(min(self.fleet.outcomes[index].tokens, self.max_length), self.edges)
+            cap = self.arm.config.batch_limit(bucket)
+            costs.append((lane_of[bucket], self.policy.cost.p90(bucket=bucket, size=cap) / cap))
+        fits = within_budget(costs, [self.arm.config.max_call_ms / 1000] * len(lanes))
+        for index, ok in zip(requests, fits):
+            if not ok:
+                self.fleet.answer(index, 503, self.sim.now)
+        return [index for index, ok in zip(requests, fits) if ok]
+
+    def _hold(self) -> float:
+        poll = self.arm.config.poll_ms / 1000
+        return max(poll, self.policy.free_in(self.sim.now) - poll)
+
+    def _hold_over(self, call: int) -> None:
+        if call == self.call and self.in_call and not self.returning:
+            self._schedule_return()
+
+    def _maybe_return(self) -> None:
+        """When the call may go back: alone, once one of its requests is done; with siblings, once
+        every request it holds is."""
+        if not self.in_call or self.returning:
+            return
+        if self.alone and self.done:
+            self._schedule_return()
+        elif not self.alone and not self.held:
+            self._schedule_return()
+
+    def _schedule_return(self) -> None:
+        self.returning = True
+        when = self.sim.now
+        if self.alone:
+            pace = self.replied + reply_pace(len(self.held))
+            deadlines = [deadline for _, deadline in self.done.values() if deadline is not None]
+            when = max(when, min([pace] + deadlines))  # never past a done request's own deadline
+        self.sim.at(when, self._return)
+
+    def _return(self) -> None:
+        now = self.sim.now
+        for index, (status, _) in self.done.items():
+            self.fleet.answer(index, status, now)
+        self.done = {}
+        self.replied = now
+        self.in_call = False
+        self.returning = False
+        self.fleet.returned(self)
+        if not self.in_call and self.held:  # nothing new, but requests in flight: the frontend calls again
+            self.take([])
+
+    # the lanes
+    def _kick(self) -> None:
+        for lane, state in enumerate(self.policy.lanes):
+            if state.running is None:
+                self._step(lane)
+
+    def _step(self, lane: int) -> None:
+        while True:
+            plan = self.policy.schedule(lane, self.sim.now)
+            for ticket in plan.expired:
+                self._finish(ticket, 504)
+            if plan.batch is not None:
+                self._run(plan)
+                return
+            if not plan.expired:
+                if plan.wait is not None:
+                    self.wakes[lane] += 1
+                    wake = self.wakes[lane]
+                    self.sim.at(self.sim.now + plan.wait, lambda: self._wake(lane, wake))
+                return
+            self.policy.finished(plan, self.sim.now)  # only 504s: the lane asks again
+
+    def _wake(self, lane: int, wake: int) -> None:
+        if wake == self.wakes[lane] and self.policy.lanes[lane].running is None:
+            self._step(lane)
+
+    def _run(self, plan: Plan) -> None:
+        batch = plan.batch
+        alone = self.times.draw(length=bucket_tokens(batch.bucket), size=batch.size, threads=plan.threads)
+
+        def done() -> None:
+            now = self.sim.now
+            self.policy.finished(plan, now)
+            for ticket in plan.tickets:
+                late = ticket.deadline is not None and now > ticket.deadline
+                self.fleet.outcomes[ticket.item.index].padded_to = bucket_tokens(batch.bucket)
+                self._finish(ticket, 504 if late else 200)
+            self._kick()
+            self._maybe_return()
+
+        self.sim.start(alone, plan.threads, done)
+
+    def _finish(self, ticket: Ticket, status: int) -> None:
+        index = ticket.item.index
+        self.held.pop(index, None)
+        self.done[index] = (status, ticket.deadline)
+        self._maybe_return()
+
+
+# -- first-come: TorchServe's own batching -------------------------------------------------------------
+
+class FirstComeWorker:
+    """TorchServe's frontend batching: the first waiting request, then up to batchSize - 1 more
+    within maxBatchDelay of taking it; one pass padded to the batch's longest input (or max_length)."""
+
+    def __init__(self, sim: Simulation, fleet: "Fleet", arm: Arm, times: PassTimes, max_length: int):
+        self.sim, self.fleet, self.arm, self.times = sim, fleet, arm, times
+        self.max_length = max_length
+        self.threads = arm.threads or max(1, sim.cores // arm.workers)
+        self.busy = False
+        self.batch: list[int] | None = None  # being gathered
+        self.closes = 0
+
+    @property
+    def idle(self) -> bool:
+        return not self.busy and self.batch is None
+
+    def begin(self, first: int) -> None:
+        self.batch = [first]
+        self.closes += 1
+        closes = self.closes
+        self.sim.at(self.sim.now + self.arm.max_batch_delay_ms / 1000, lambda: self._close(closes))
+        self.fleet.fill(self)
+
+    def offer(self, index: int) -> bool:
+        """Take a waiting request into the batch being gathered, if there is room."""
+        if self.batch is None or len(self.batch) >= self.arm.batch_size:
+            return False
+        self.batch.append(index)
+        if len(self.batch) >= self.arm.batch_size:
+            self._close(self.closes)
+        return True
+
+    def _close(self, closes: int) -> None:
+        if closes != self.closes or self.batch is None:
+            return
+        batch, self.batch = self.batch, None
+        self.busy = True
+        lengths = [min(self.fleet.outcomes[i].tokens, self.max_length) for i in batch]
+        padded = self.max_length if self.arm.pad == "max" else max(lengths)
+        alone = self.times.draw(length=padded, size=len(batch), threads=self.threads)
+
+        def done() -> None:
+            for index in batch:
+                self.fleet.outcomes[index].padded_to = padded
+                self.fleet.answer(index, 200, self.sim.now)
+            self.busy = False
+            self.fleet.returned(self)
+
+        self.sim.start(alone, self.threads, done)
+
+
+# -- the frontend in front of the workers ------------------------------------------------------------------
+
+class Fleet:
+    """TorchServe's queue for one model and its workers."""
+
+    def __init__(self, sim: Simulation, arm: Arm, times: PassTimes, max_length: int, arrivals: Sequence[Arrival]):
+        self.sim, self.arm = sim, arm
+        self.outcomes = [Outcome(a.at, a.tokens) for a in arrivals]
+        self.queue: list[int] = []
+        alone = arm.workers == 1
+        if arm.kind == "first-come":
+            self.workers = [FirstComeWorker(sim, self, arm, times, max_length) for _ in range(arm.workers)]
+        else:
+            self.workers = [TsbatchWorker(sim, self, arm, times, max_length, alone) for _ in range(arm.workers)]
+        self.turn = 0
+        half = sim.overheads.latency / 2
+        for index, arrival in enumerate(arrivals):
+            sim.at(arrival.at + half, lambda index=index: self.arrive(index))
+
+    def any_idle(self, besides) -> bool:
+        return any(w.idle for w in self.workers if w is not besides)
+
+    def arrive(self, index: int) -> None:
+        self.sim.arrived()
+        if self.arm.kind == "first-come":
+            gathering = next((w for w in self.workers if w.batch is not None), None)
+            if gathering is not None and gathering.offer(index):
+                return
+            idle = self._idle()
+            if idle is not None:
+                idle.begin(index)
+            else:
+                self.queue.append(index)
+            return
+        idle = self._idle()
+        if idle is not None:
+            idle.take([index])
+        else:
+            self.queue.append(index)
+
+    def _idle(self):
+        for k in range(len(self.workers)):
+            worker = self.workers[(self.turn + k) % len(self.workers)]
+            if worker.idle:
+                self.turn = (self.turn + k + 1) % len(self.workers)
+                return worker
+        return None
+
+    def fill(self, worker: FirstComeWorker) -> None:
+        while self.queue and worker.offer(self.queue[0]):
+            self.queue.pop(0)
+
+    def returned(self, worker) -> None:
+        """A worker is back at the frontend: it takes what waits (a tsbatch worker, a call of at
+        most batchSize; a first-come worker, the next batch)."""
+        if not self.queue:
+            return
+        if self.arm.kind == "first-come":
+            worker.begin(self.queue.pop(0))
+            return
+        room = max(1, self.arm.batch_size - len(worker.held))
+        taken, self.queue = self.queue[:room], self.queue[room:]
+        worker.take(taken)
+
+    def answer(self, index: int, status: int, now: float) -> None:
+        outcome = self.outcomes[index]
+        if not outcome.status:
+            outcome.status = status
+            outcome.answered = now + self.sim.overheads.latency / 2
+
+
+# -- running arms ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Point:
+    """One simulated window, in the figures make bench reports (bench/loadtest/stats.summarize)."""
+
+    rate: float
+    sent: int
+    ok: int
+    status: dict
+    throughput: float
+    padding_waste: float | None
+    latency: dict  # "all" | "short" | "long" -> {"p50", "p95", "p99", "n"} in ms
+
+    def passes(self, target_ms: float) -> bool:
+        """Served within the target: every request answered 200 and p99 under it."""
+        p99 = self.latency["all"]["p99"]
+        return self.ok == self.sent and p99 is not None and p99 <= target_ms
+
+
+def simulate(arm: Arm, arrivals: Sequence[Arrival], profiles: dict[int, object], max_length: int, cores: int = 2,
+             overheads: Overheads = Overheads(), seed: int = 0, rate: float = 0.0) -> Point:
+    """Serve `arrivals` with `arm` and report it. `profiles`: latency profiles by intra-op threads."""
+    sim = Simulation(cores, overheads)
+    fleet = Fleet(sim, arm, PassTimes(profiles, seed), max_length, arrivals)
+    end = (arrivals[-1].at if arrivals else 0.0) + 60.0  # a drain after the last arrival
+    sim.run(end)
+    outcomes = fleet.outcomes
+    ok = [o for o in outcomes if o.status == 200]
+    status: dict[str, int] = {}
+    for o in outcomes:
+        key = str(o.status) if o.status else "lost"
+        status[key] = status.get(key, 0) + 1
+    span = max((o.answered for o in outcomes if o.status), default=0.0) - (arrivals[0].at if arrivals else 0.0)
+    real = sum(min(o.tokens, max_length) for o in ok if o.padded_to)
+    padded = sum(o.padded_to for o in ok if o.padded_to)
+    latency = {}
+    for kind in ("all", "short", "long"):
+        ms = [(o.answered - o.arrival) * 1000 for o in ok if kind == "all" or o.kind == kind]
+        latency[kind] = {f"p{q}": (round(percentile(ms, q), 1) if ms else None) for q in (50, 95, 99)}
+        latency[kind]["n"] = len(ms)
+    return Point(rate, len(outcomes), len(ok), status, round(len(ok) / span, 2) if span > 0 else 0.0,
+                 round(1 - real / padded, 4) if padded else None, latency)
+
+
+def at_rate(arm: Arm, rate: float, tokens: Sequence[int], profiles, max_length: int, duration: float = 60.0,
+            seed: int = 0, **kw) -> Point:
+    return simulate(arm, poisson(rate, duration, tokens, seed), profiles, max_length, seed=seed, rate=rate, **kw)
+
+
+def capacity(arm: Arm, tokens: Sequence[int], profiles, max_length: int, target_ms: float,
+             duration: float = 60.0, seed: int = 0, resolution: float = 1.0, **kw) -> float:
+    """The highest rate (to `resolution` req/s) served within the target, searched upward then
+    bisected: like make bench's rule, the rate below the first one that misses."""
+    def ok(rate: float) -> bool:
+        return at_rate(arm, rate, tokens, profiles, max_length, duration, seed, **kw).passes(target_ms)
+
+    low, high = 0.0, 4.0
+    while ok(high):
+        low, high = high, high * 2
+        if high > 10_000:
+            return low
+    while high - low > resolution:
+        middle = (low + high) / 2
+        if ok(middle):
+            low = middle
+        else:
+            high = middle
+    return round(low, 1)

@@ -1,0 +1,146 @@
+"""archiver/simulate.py: the same policy the lanes run, in simulated time: deterministic, and its
+figures move the way a worker's do (more load, longer queues; first-come pads, tsbatch does not)."""
+from __future__ import annotations
+
+import pytest
+
+from tsbatch.archiver.simulate import Arm, Overheads, PassTimes, Simulation, at_rate, capacity, poisson, workload_tokens
+from tsbatch.handlers.config import HandlerConfig
+from tsbatch.handlers.buckets import default_edges
+from tsbatch.warmup.profile import LatencyProfile
+
+pytestmark = pytest.mark.unit
+
+MAX_LENGTH = 256
+
+
+def cpu_like(threads: int = 1) -> LatencyProfile:
+    """A profile shaped like MiniLM's on this machine: a fixed cost per pass, then per token."""
+    profile = LatencyProfile(model="synthetic", environment={"torch_threads": threads})
+    for edge in default_edges(MAX_LENGTH):
+        size = 1
+        while size <= max(1, 4096 // edge):
+            ms = 1000 * (0.006 + 0.00018 * edge * size * (1 + edge / 1024)) / threads ** 0.8
+            profile.add(size, edge, ms * 1.3, [ms * 0.95, ms, ms * 1.05, ms * 1.2])
+            size *= 2
+    return profile
+
+
+PROFILES = {1: cpu_like(1), 2: cpu_like(2)}
+TEMPLATE = Arm("template", config=HandlerConfig.from_yaml({"task": "embedding"}), batch_size=96)
+FIRST_COME = Arm("first-come", kind="first-come")
+
+
+def test_the_same_workload_and_seed_give_identical_figures():
+    tokens = workload_tokens("search")
+    first = at_rate(TEMPLATE, 40, tokens, PROFILES, MAX_LENGTH, duration=20, seed=3)
+    again = at_rate(TEMPLATE, 40, tokens, PROFILES, MAX_LENGTH, duration=20, seed=3)
+    assert first == again
+    assert first.sent > 600 and first.ok == first.sent
+    other = at_rate(TEMPLATE, 40, tokens, PROFILES, MAX_LENGTH, duration=20, seed=4)
+    assert other != first  # the seed is what makes it repeatable, not a constant
+
+
+def test_capacity_is_deterministic_and_tsbatch_beats_first_come_on_the_mix():
+    tokens = workload_tokens("two-cluster")
+    ours = capacity(TEMPLATE, tokens, PROFILES, MAX_LENGTH, 500.0, duration=20, resolution=4)
+    assert ours == capacity(TEMPLATE, tokens, PROFILES, MAX_LENGTH, 500.0, duration=20, resolution=4)
+    theirs = capacity(FIRST_COME, tokens, PROFILES, MAX_LENGTH, 500.0, duration=20, resolution=4)
+    assert ours > theirs > 0
+
+
+def test_latency_grows_with_load_and_past_capacity_requests_fail_or_queue():
+    tokens = workload_tokens("two-cluster")
+    light = at_rate(TEMPLATE, 10, tokens, PROFILES, MAX_LENGTH, duration=20)
+    heavy = at_rate(TEMPLATE, 200, tokens, PROFILES, MAX_LENGTH, duration=20)
+    assert light.latency["short"]["p99"] < heavy.latency["short"]["p99"]
+    assert not heavy.passes(500.0) and light.passes(500.0)
+    assert heavy.status.get("503", 0) + heavy.status.get("504", 0) > 0  # refused at once or answered 504, never lost
+    assert "lost" not in heavy.status
+
+
+def test_first_come_pads_to_the_longest_and_tsbatch_to_its_bucket():
+    tokens = workload_tokens("two-cluster")
+    ours = at_rate(TEMPLATE, 30, tokens, PROFILES, MAX_LENGTH, duration=20)
+    theirs = at_rate(FIRST_COME, 30, tokens, PROFILES, MAX_LENGTH, duration=20)
+    padded_to_max = at_rate(Arm("max", kind="first-come", pad="max"), 30, tokens, PROFILES, MAX_LENGTH, duration=20)
+    assert ours.padding_waste < theirs.padding_waste < padded_to_max.padding_waste
+
+
+def test_two_workers_share_the_cores_and_answer_everything():
+    tokens = workload_tokens("search")
+    two = Arm("two", config=HandlerConfig.from_yaml({"task": "embedding", "torch_threads": 1}), workers=2, batch_size=96)
+    point = at_rate(two, 30, tokens, PROFILES, MAX_LENGTH, duration=20)
+    assert point.ok == point.sent
+
+
+def test_passes_slow_down_when_their_threads_outnumber_the_cores():
+    sim = Simulation(cores=2, overheads=Overheads(cpu_per_request=0.0))
+    ends = {}
+    sim.at(0.0, lambda: sim.start(1.0, 2, lambda: ends.setdefault("a", sim.now)))
+    sim.at(0.0, lambda: sim.start(1.0, 2, lambda: ends.setdefault("b", sim.now)))
+    sim.at(0.0, lambda: sim.start(1.0, 1, lambda: ends.setdefault("alone", sim.now)))
+    sim.run(100)
+    # 5 threads on 2 cores: each pass runs at 2/5 speed until the others end
+    assert ends["a"] == pytest.approx(2.5) and ends["alone"] == pytest.approx(2.5)
+    lone = Simulation(cores=2, overheads=Overheads(cpu_per_request=0.0))
+    lone.at(0.0, lambda: lone.start(1.0, 2, lambda: ends.setdefault("lone", lone.now)))
+    lone.run(100)
+    assert ends["lone"] == pytest.approx(1.0)
+
+
+def test_pass_times_interpolate_unmeasured_shapes_and_keep_measured_ones():
+    times = PassTimes(PROFILES)
+    exact = PROFILES[1].lookup(4, 32)
+    assert times.median_p90(length=32, size=4, threads=1) == (exact.median_ms / 1000, exact.p90_ms / 1000)
+    low = times.median_p90(length=32, size=4, threads=1)[0]
+    high = times.median_p90(length=40, size=4, threads=1)[0]
+    between = times.median_p90(length=36, size=4, threads=1)[0]
+    assert low < between < high
+    three = times.median_p90(length=32, size=3, threads=1)[0]
+    assert times.median_p90(length=32, size=2, threads=1)[0] < three < low
+    only_one = PassTimes({1: PROFILES[1]})
+    assert only_one.median_p90(length=32, size=4, threads=2)[0] == pytest.approx(low / 2)  # optimistic for that arm
+
+
+def test_a_workload_file_of_lengths_is_read_and_a_bad_one_refused(tmp_path):
+    plain = tmp_path / "lengths.txt"
+    plain.write_text("12\n40\n300\n")
+    assert workload_tokens(str(plain)) == [12, 40, 300]
+    as_json = tmp_path / "lengths.json"
+    as_json.write_text('{"tokens": [5, 6]}')
+    assert workload_tokens(str(as_json)) == [5, 6]
+    bad = tmp_path / "bad.txt"
+    bad.write_text("twelve\n")
+    with pytest.raises(ValueError, match="token lengths"):
+        workload_tokens(str(bad))
+    with pytest.raises(ValueError, match="unknown workload"):
+        workload_tokens("no-such-workload")
+
+
+def test_poisson_arrivals_have_the_asked_rate():
+    arrivals = poisson(50, 100, [10], seed=1)
+    assert 4700 < len(arrivals) < 5300 and all(a.at < 100 for a in arrivals)
+
+
+def test_tuning_by_simulation_ships_a_candidate_no_worse_than_the_template_or_first_come():
+    from tsbatch.archiver.tune import Machine, tune
+    from tsbatch.archiver.tune_sim import search
+
+    profile = cpu_like(1)
+    profile.environment.update({"task": "embedding", "threads_per_bucket": {"8": 1}})
+    section = {"task": "embedding"}
+    analytic = tune(profile, 500.0, Machine(2), HandlerConfig.from_yaml(section))
+    chosen = search(analytic, profile, section, "two-cluster")
+    by_name = {c.name: c for c in chosen.simulated}
+    best = by_name[chosen.chosen]
+    assert best.capacity >= by_name["template"].capacity
+    assert best.capacity >= next(c for c in chosen.simulated if c.name.startswith("first-come")).capacity
+    assert best.capacity == max(c.capacity for c in chosen.simulated)
+    assert "chosen by simulation" in chosen.handler["max_wait_ms"].reason
+    # a key the user's section sets keeps the user's value in every candidate
+    fixed = {"task": "embedding", "max_wait_ms": 7}
+    kept = search(tune(profile, 500.0, Machine(2), HandlerConfig.from_yaml(fixed), fixed=fixed.keys()), profile, fixed,
+                  "two-cluster")
+    assert all(c.handler.get("max_wait_ms", 7) == 7 for c in kept.simulated)
+    assert "max_wait_ms" not in {k for k, c in kept.handler.items() if "chosen by simulation" in c.reason}
