@@ -12,6 +12,7 @@ from tsbatch.archiver.kserve import KServeError
 from tsbatch.archiver.measure import ProfileError
 from tsbatch.archiver.package import ArchiveError
 from tsbatch.archiver.tune import DEFAULT_TARGET_MS, TuneError
+from tsbatch.archiver.tune_sim import DEFAULT_WORKLOAD
 from tsbatch.handlers.buckets import bucket_label
 from tsbatch.handlers.config import Task
 from tsbatch.handlers.errors import ConfigError
@@ -58,6 +59,11 @@ def _device_arg(parser: argparse.ArgumentParser) -> None:
 
 def _tune_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target-ms", type=float, default=DEFAULT_TARGET_MS, help=TARGET_HELP)
+    parser.add_argument("--workload", metavar="NAME|FILE",
+                        help="traffic the simulator serves each candidate configuration with: search, short, long, "
+                             "two-cluster (make bench's text workloads) or a file of input lengths, one per line; "
+                             f"none: the analytic tuning alone (default: {DEFAULT_WORKLOAD} for the built-in encoder, "
+                             "none for your own --handler, whose lengths tsbatch cannot guess)")
     parser.add_argument("--cores", type=int, help="cores of the machine that will serve (default: the profile's, "
                                                  "else this machine's)")
     parser.add_argument("--gpus", type=int, help="GPUs of the machine that will serve (default: the profile's)")
@@ -248,7 +254,24 @@ def _request(args, task: str | None = None, need_model: bool = True) -> pipeline
                             getattr(args, "cores", None), getattr(args, "gpus", None), overrides,
                             getattr(args, "mode", "continuous"),
                             os.path.abspath(handler_file) if handler_file else None,
-                            _extra_files(getattr(args, "extra_files", None)), model)
+                            _extra_files(getattr(args, "extra_files", None)), model, _workload(args))
+
+
+def _workload(args) -> str | None:
+    """--workload: a name or a file of token lengths; "none" turns simulation off. Not given: the
+    search workload for the built-in encoder, none for a team's own handler."""
+    value = getattr(args, "workload", None)
+    if value is None:
+        value = None if getattr(args, "handler", None) else DEFAULT_WORKLOAD
+    if value in (None, "", "none"):
+        return None
+    from tsbatch.archiver.simulate import workload_tokens
+
+    try:
+        workload_tokens(value)
+    except (OSError, ValueError) as error:
+        raise TuneError(f"--workload: {error}") from None
+    return value
 
 
 def _extra_files(value: str | None) -> tuple[str, ...]:
@@ -275,6 +298,11 @@ def _show_tuning(tuning) -> None:
     values = {**tuning.frontend_values(), **{k: v for k, v in tuning.handler_values().items()
                                              if k not in ("batch_caps", "buckets")}}
     print("  " + ", ".join(f"{key} {value}" for key, value in values.items()))
+    if tuning.simulated:
+        say(f"simulated on workload {tuning.workload!r} (capacity within the target; short p99 at "
+            f"{tuning.reference_rate:g} req/s), the chosen first:")
+        for line in pipeline.simulated_lines(tuning):
+            print(line)
 
 
 def cmd_archive(args) -> int:

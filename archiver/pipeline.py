@@ -23,6 +23,7 @@ from tsbatch.archiver.properties import (
     render_yaml,
 )
 from tsbatch.archiver.tune import Machine, TuneError, Tuning, frontend_keys, plan_workers, tune
+from tsbatch.archiver.tune_sim import search
 from tsbatch.handlers.config import FrontendConfig, HandlerConfig
 from tsbatch.handlers.errors import ConfigError
 from tsbatch.warmup.profile import PROFILE_FILE, LatencyProfile
@@ -46,6 +47,7 @@ class Request:
     handler_file: str | None = None  # a team's own handler (absolute path); None: the built-in encoder
     extra_files: tuple[str, ...] = ()  # what that handler imports, placed beside it (absolute paths)
     model_section: Mapping[str, Any] = field(default_factory=dict)  # model-config.yaml's model:, for that handler's model
+    workload: str | None = None  # what tune simulates candidates on (archiver/tune_sim.py); None: analytic only
 
     def shipped(self) -> dict[str, str]:
         """Archive-root name -> local path of the team's extra files."""
@@ -150,7 +152,10 @@ def machine_for(profile: LatencyProfile, cores: int | None, gpus: int | None) ->
 def tune_for(request: Request, profile: LatencyProfile, mode: str | None = None) -> tuple[Tuning, str]:
     machine, source = machine_for(profile, request.cores, request.gpus)
     config = HandlerConfig.from_yaml(request.section)
-    tuning = tune(profile, request.target_ms, machine, config, mode or request.mode, fixed=request.section.keys())
+    mode = mode or request.mode
+    tuning = tune(profile, request.target_ms, machine, config, mode, fixed=request.section.keys())
+    if request.workload and mode == "continuous":  # the simulator models continuous mode's calls
+        tuning = search(tuning, profile, request.section, request.workload)
     return tuning, source
 
 
@@ -177,7 +182,17 @@ def tuned_config(request: Request, tuning: Tuning, profile: LatencyProfile, sour
               f"{env.get('worker_torch_threads') or env.get('torch_threads', '?')} torch threads per worker, "
               f"{len(profile.shapes)} shapes), shipped as "
               f"{PROFILE_FILE} in this archive. Each tuned value has its reason on the line above it.")
+    if tuning.simulated:
+        header += (f"\nCandidates simulated on workload {tuning.workload!r} (capacity req/s within the target; short p99 ms "
+                   f"at {tuning.reference_rate:g} req/s), the chosen first:\n" + "\n".join(simulated_lines(tuning)))
     return config, render_yaml(config, comments, header)
+
+
+def simulated_lines(tuning: Tuning) -> list[str]:
+    """One line per candidate the simulator served, the chosen one first."""
+    rows = sorted(tuning.simulated, key=lambda c: c.name != tuning.chosen)
+    return [f"  {c.name}: {c.capacity:g} req/s" + (f", short p99 {c.short_p99_ms:g} ms" if c.short_p99_ms is not None else "")
+            + (f", {c.workers} workers" if c.workers > 1 else "") for c in rows]
 
 
 def _profile_file(profile: LatencyProfile, directory: str, name: str) -> str:

@@ -93,6 +93,11 @@ class Tuning:
     handler: dict[str, Choice]
     properties: dict[str, Choice]
     buckets: tuple[BucketPlan, ...] = field(default_factory=tuple)
+    # tuning by simulation (archiver/tune_sim.py): every candidate with its predicted figures
+    simulated: tuple = ()
+    workload: str | None = None
+    chosen: str | None = None
+    reference_rate: float | None = None  # req/s at which each candidate's short p99 was predicted
 
     def frontend_values(self) -> dict[str, Any]:
         return {key: choice.value for key, choice in self.frontend.items()}

@@ -358,11 +358,15 @@ def test_tuned_properties_carry_their_reasons(tmp_path):
 def test_tune_writes_files_that_read_back(tmp_path):
     profile_path = tmp_path / "profile.json"
     linear().save(str(profile_path))
-    request = pipeline.Request("unused", "minilm", dict(BASE), 400.0)
+    request = pipeline.Request("unused", "minilm", dict(BASE), 400.0, workload="search")
     built = pipeline.tune_to(request, str(profile_path), str(tmp_path / "out"), {})
     with open(built.config_path) as f:
         config = yaml.safe_load(f)
-    assert config["handler"]["batch_caps"] == built.tuning.handler["batch_caps"].value
+    for key, choice in built.tuning.handler.items():  # what the simulator chose is what the file ships
+        assert config["handler"][key] == choice.value, key
+    assert built.tuning.chosen in {c.name for c in built.tuning.simulated} and len(built.tuning.simulated) >= 2
+    with open(built.config_path) as f:
+        assert f"Candidates simulated on workload 'search'" in f.read()
     assert config["continuousBatching"] is True and config["asyncCommunication"] is False
     assert config["minWorkers"] == 1
     with open(built.properties) as f:
