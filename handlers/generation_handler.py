@@ -19,7 +19,8 @@ from tsbatch.handlers import socket_guard
 from tsbatch.handlers.errors import BadInput, InputTooLong, ModelFailed, ServingError
 from tsbatch.handlers.generation_api import (GenerationConfig, TextStream, answer_body, deadline_of, kv_bound_for,
                                              line, parse_ask, priority_of)
-from tsbatch.handlers.generation_replies import JSON, NDJSON, Reply, is_http
+from tsbatch.handlers.generation_replies import JSON, NDJSON, Reply
+from tsbatch.handlers.stages import is_http
 from tsbatch.handlers.generation_scheduler import GenerationRequest, GenerationScheduler, Status
 
 logger = logging.getLogger(__name__)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 from http import HTTPStatus
-from typing import Mapping
 
 from tsbatch.handlers.errors import Overloaded, ServingError
 
@@ -24,12 +23,6 @@ JSON = "application/json"
 NDJSON = "application/x-ndjson"
 WORKER_HEADER = "x-tsbatch-worker"  # as the encoder modes write it: pid of the worker that answered
 STREAM_NEXT = "ts_stream_next"
-HTTP_ONLY_HEADERS = ("host", "content-length", "transfer-encoding")  # an HTTP request has one; gRPC none
-
-
-def is_http(headers: Mapping[str, object]) -> bool:
-    """Whether the request came over HTTP (its lower-cased headers): gRPC requests carry none."""
-    return any(name in headers for name in HTTP_ONLY_HEADERS)
 
 
 class Reply:

@@ -178,6 +178,15 @@ def answer(call: Call, context) -> list[str]:
     return bodies
 
 
+HTTP_ONLY_HEADERS = ("host", "content-length", "transfer-encoding")  # an HTTP request has one; gRPC none
+
+
+def is_http(headers) -> bool:
+    """Whether a request came over HTTP (its lower-cased headers): TorchServe 0.12 forwards no gRPC
+    metadata, so a gRPC request carries none of these."""
+    return any(name in headers for name in HTTP_ONLY_HEADERS)
+
+
 def request_headers(context, index: int) -> dict:
     """The request's headers with lower-cased names (clients and proxies differ in case)."""
     try:

@@ -53,3 +53,43 @@ def post_together(url: str, payloads: Sequence[Any], timeout: float = 60) -> lis
         if not isinstance(answer, Answer):
             raise AssertionError(f"a request got no answer: {answer!r}")
     return answers
+
+
+class GrpcInference:
+    """A Predictions stub built from inference.proto as TorchServe publishes it (in its jar), on a
+    served archive's gRPC inference port (read from its config.properties)."""
+
+    def __init__(self, properties: str, model: str, build_dir: str):
+        import os
+        import sys
+        import zipfile
+
+        import grpc
+        import grpc_tools
+        import ts
+        from grpc_tools import protoc
+
+        with zipfile.ZipFile(os.path.join(os.path.dirname(ts.__file__), "frontend", "model-server.jar")) as jar:
+            for name in ("inference.proto", "google/rpc/status.proto"):
+                jar.extract(name, build_dir)
+        well_known = os.path.join(os.path.dirname(grpc_tools.__file__), "_proto")
+        assert protoc.main(["protoc", f"-I{build_dir}", f"-I{well_known}", f"--python_out={build_dir}",
+                            f"--grpc_python_out={build_dir}", "inference.proto", "google/rpc/status.proto"]) == 0
+        sys.path.insert(0, build_dir)
+        try:
+            import inference_pb2
+            import inference_pb2_grpc
+        finally:
+            sys.path.remove(build_dir)
+        with open(properties) as f:
+            port = next(line.split("=", 1)[1].strip() for line in f if line.startswith("grpc_inference_port="))
+        self.messages, self.model = inference_pb2, model
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        self.stub = inference_pb2_grpc.InferenceAPIsServiceStub(self.channel)
+
+    def predict(self, data: bytes, timeout: float = 60):
+        request = self.messages.PredictionsRequest(model_name=self.model, input={"data": data})
+        return json.loads(self.stub.Predictions(request, timeout=timeout).prediction)
+
+    def close(self) -> None:
+        self.channel.close()

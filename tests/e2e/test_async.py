@@ -4,8 +4,10 @@ from __future__ import annotations
 import pytest
 import requests
 
+from tsbatch.archiver import server
 from tsbatch.handlers.stages import BATCH_SIZE_HEADER
-from tests.e2e.client import post, post_together
+from tests.e2e.client import GrpcInference, post, post_together
+from tests.e2e.conftest import NAME, serve_built
 from tests.support import cosine
 
 TEXTS = [f"async request {i} about {w}" for i, w in enumerate(
@@ -41,3 +43,38 @@ def test_priority_and_deadline_headers(torchserve, model):
     assert bad.status_code == 400 and "X-Priority" in bad.json()["error"]
     bad = requests.post(url, data=b"x", headers={"Content-Type": "text/plain", "X-Deadline-Ms": "soon"}, timeout=30)
     assert bad.status_code == 400 and "X-Deadline-Ms" in bad.json()["error"]
+
+
+@pytest.fixture(scope="module")
+def shipped_async(tmp_path_factory, built_profile):
+    """The archive `tsbatch archive --mode async` builds, served as built (its own ports, gRPC too)."""
+    served = serve_built(tmp_path_factory.mktemp("async"), built_profile, "--mode", "async")
+    try:
+        server.wait_ready(served.management, NAME, 600)
+        yield served
+    finally:
+        server.stop(served.paths)
+
+
+def test_async_mode_answers_grpc_predictions_again_and_again_and_keeps_its_worker(shipped_async, tmp_path):
+    """TorchServe 0.12 completes a gRPC Predictions call at its first reply and kills an async
+    worker that sends a second: a gRPC request gets its answer as the one final reply."""
+    def worker_pids() -> list:
+        workers = requests.get(f"{shipped_async.management}/models/{NAME}", timeout=10).json()[0]["workers"]
+        assert [w["status"] for w in workers] == ["READY"] * len(workers)
+        return [w["pid"] for w in workers]
+
+    before = worker_pids()
+    grpc = GrpcInference(shipped_async.properties, NAME, str(tmp_path))
+    try:
+        http = f"{shipped_async.inference}/predictions/{NAME}"
+        for text in TEXTS[:3]:
+            answer = grpc.predict(text.encode())
+            assert cosine(answer["embedding"], post(http, text).body["embedding"]) >= 0.9999
+        failed = grpc.predict(b"\xff\xfe not utf-8")
+        assert failed["code"] == 400 and "UTF-8" in failed["error"]
+        assert "embedding" in grpc.predict(TEXTS[4].encode())  # the worker that answered is still there
+    finally:
+        grpc.close()
+    assert worker_pids() == before  # no worker died on the way
+    assert post(f"{shipped_async.inference}/predictions/{NAME}", TEXTS[5]).status == 200

@@ -11,14 +11,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
-import zipfile
 
 import pytest
 
 from tsbatch.archiver import server
 from tsbatch.handlers.stages import PADDED_HEADER
-from tests.e2e.client import post, post_together
+from tests.e2e.client import GrpcInference, post, post_together
 from tests.e2e.conftest import NAME, tsbatch
 from tests.support import cosine
 
@@ -107,37 +105,10 @@ def test_a_bad_text_fails_its_request_naming_it_while_a_request_beside_it_is_ans
 
 @pytest.fixture(scope="module")
 def grpc_inference(tmp_path_factory, shipped):
-    """A Predictions stub built from inference.proto as TorchServe publishes it (in its jar), on the
-    shipped archive's gRPC port (its config.properties)."""
-    import grpc
-    from grpc_tools import protoc
-    import grpc_tools
-    import ts
-
-    out = str(tmp_path_factory.mktemp("grpc"))
-    with zipfile.ZipFile(os.path.join(os.path.dirname(ts.__file__), "frontend", "model-server.jar")) as jar:
-        for name in ("inference.proto", "google/rpc/status.proto"):
-            jar.extract(name, out)
-    well_known = os.path.join(os.path.dirname(grpc_tools.__file__), "_proto")
-    assert protoc.main(["protoc", f"-I{out}", f"-I{well_known}", f"--python_out={out}", f"--grpc_python_out={out}",
-                        "inference.proto", "google/rpc/status.proto"]) == 0
-    sys.path.insert(0, out)
-    try:
-        import inference_pb2
-        import inference_pb2_grpc
-    finally:
-        sys.path.remove(out)
-    with open(shipped.properties) as f:
-        port = next(line.split("=", 1)[1].strip() for line in f if line.startswith("grpc_inference_port="))
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-    stub = inference_pb2_grpc.InferenceAPIsServiceStub(channel)
-
-    def predict(data: bytes):
-        request = inference_pb2.PredictionsRequest(model_name=NAME, input={"data": data})
-        return json.loads(stub.Predictions(request, timeout=60).prediction)
-
-    yield predict
-    channel.close()
+    """Predictions on the shipped archive's gRPC port (its config.properties)."""
+    client = GrpcInference(shipped.properties, NAME, str(tmp_path_factory.mktemp("grpc")))
+    yield client.predict
+    client.close()
 
 
 def test_grpc_answers_what_http_answers_and_fails_a_malformed_request_alone(grpc_inference, shipped):
