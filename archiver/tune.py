@@ -241,7 +241,7 @@ def choose_cap(shapes: list[ShapeTiming], budget_ms: float) -> tuple[ShapeTiming
 
 def choose_max_wait(profile: LatencyProfile, edges: tuple[int, ...], target_ms: float) -> Choice:
     """Wait for company at most as long as running alone takes: longer costs more than it saves."""
-    alone = profile.lookup(1, edges[0])
+    alone = profile.lookup(batch=1, bucket=edges[0])
     ceiling = max(1, math.floor(MAX_WAIT_SHARE * target_ms))
     if alone is None:
         raise TuneError(f"the profile has no batch-1 timing for the smallest bucket {bucket_label(edges[0])}")

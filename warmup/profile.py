@@ -53,7 +53,8 @@ class LatencyProfile:
         self.shapes.append(timing)
         return timing
 
-    def lookup(self, batch: int, bucket: Bucket) -> ShapeTiming | None:
+    def lookup(self, *, batch: int, bucket: Bucket) -> ShapeTiming | None:
+        """The timing of one shape (None: not measured); keywords only, so the pair cannot be swapped."""
         for timing in self.shapes:
             if timing.batch == batch and timing.bucket == bucket:
                 return timing

@@ -74,7 +74,7 @@ def test_a_busy_worker_is_called_about_once_per_pass_not_every_poll_ms(minilm_di
     waits until shortly before the pass should end (by the warmed profile), not poll_ms."""
     handler, context = load_handler(minilm_dir, frontend=CONTINUOUS, buckets=[32, 256], max_batch_size=8,
                                     long_lane_from=None, warmup=True, warmup_repeats=1, poll_ms=1)
-    assert handler.profile.lookup(8, 256) is not None
+    assert handler.profile.lookup(batch=8, bucket=256) is not None
     frontend = ContinuousFrontend(handler, context)
     for i in range(8):
         frontend.submit(f"long{i}", LONG + f" {i}")  # one 8 x 256 pass in the only lane

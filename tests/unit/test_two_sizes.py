@@ -68,7 +68,7 @@ def test_a_profile_with_pairs_round_trips_through_json():
     profile.add(1, (8, 64), 5.0, [1.0, 1.2])
     profile.oom_caps[(32, 64)] = 2
     again = LatencyProfile.from_json(profile.to_json())
-    assert again.lookup(1, (8, 64)).median_ms == 1.1 and again.oom_caps == {(32, 64): 2}
+    assert again.lookup(batch=1, bucket=(8, 64)).median_ms == 1.1 and again.oom_caps == {(32, 64): 2}
     assert json.loads(profile.to_json())["oom_caps"] == {"32x64": 2}
 
 
