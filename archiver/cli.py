@@ -12,9 +12,9 @@ from tsbatch.archiver.kserve import KServeError
 from tsbatch.archiver.measure import ProfileError
 from tsbatch.archiver.package import ArchiveError
 from tsbatch.archiver.tune import DEFAULT_TARGET_MS, TuneError
-from tsbatch.archiver.tune_sim import DEFAULT_WORKLOAD
+from tsbatch.archiver.tune_sim import DEFAULT_WORKLOAD, profile_threads
 from tsbatch.handlers.buckets import bucket_label
-from tsbatch.handlers.config import Task
+from tsbatch.handlers.config import HandlerConfig, Task
 from tsbatch.handlers.errors import ConfigError
 from tsbatch.warmup.profile import PROFILE_FILE
 
@@ -105,8 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "or your own model (--handler).",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_archive_parser, _profile_parser, _tune_parser, _export_parser, _ready_parser, _stop_parser,
-                _config_docs_parser):
+    for add in (_archive_parser, _profile_parser, _tune_parser, _simulate_parser, _export_parser, _ready_parser,
+                _stop_parser, _config_docs_parser):
         add(sub)
     return parser
 
@@ -161,6 +161,67 @@ def _tune_parser(sub) -> None:
     _mode_arg(tune)
     _tune_args(tune)
     _server_args(tune)
+
+
+def _simulate_parser(sub) -> None:
+    simulate = sub.add_parser(
+        "simulate",
+        help="what an archive's configuration would do under a workload, in seconds: the simulator",
+        description="Serve a workload in the simulator (archiver/simulate.py: tsbatch's own policy on simulated "
+        "time, pass times from the latency profile) with a model-config.yaml (default: the untuned template) and "
+        "with TorchServe's first-come batching, and print per rate the short/long p50/p95/p99, refusals (503), "
+        "504s and padding, then each one's capacity at --target-ms.",
+    )
+    simulate.add_argument("--profile", required=True, metavar="JSON", help="latency profile from `tsbatch profile`")
+    simulate.add_argument("--model-config", metavar="YAML", help="the archive's model-config.yaml (default: the template)")
+    simulate.add_argument("--workload", default=DEFAULT_WORKLOAD, metavar="NAME|FILE",
+                          help=f"search, short, long, two-cluster or a file of input lengths (default: {DEFAULT_WORKLOAD})")
+    simulate.add_argument("--rates", default="", help="offered req/s, comma separated (default: none, capacity only)")
+    simulate.add_argument("--duration", type=float, default=60.0, help="simulated seconds per rate (default 60)")
+    simulate.add_argument("--target-ms", type=float, default=DEFAULT_TARGET_MS, help=TARGET_HELP)
+    simulate.add_argument("--cores", type=int, default=None, help="cores of the serving machine (default: the profile's)")
+    simulate.add_argument("--seed", type=int, default=0)
+
+
+def cmd_simulate(args) -> int:
+    from tsbatch.archiver import simulate as sim
+
+    profile = pipeline.load_profile(args.profile)
+    config = {}
+    if args.model_config:
+        with open(args.model_config) as f:
+            config = yaml.safe_load(f) or {}
+    handler = HandlerConfig.from_yaml(config.get("handler") or {"task": profile.environment.get("task", "embedding")})
+    cores = args.cores or profile.environment.get("cpu_count") or 2
+    workers = int(config.get("minWorkers") or 1)
+    try:
+        tokens = sim.workload_tokens(args.workload)
+        arms = [sim.Arm("tsbatch", config=handler, workers=workers,
+                        batch_size=int(config.get("batchSize") or handler.queue_cap + 32)),
+                sim.Arm("first-come", kind="first-come", threads=cores, batch_size=8, max_batch_delay_ms=10)]
+        profiles = {profile_threads(profile): profile}
+        edges = [s.bucket for s in profile.shapes if isinstance(s.bucket, int)]
+        if not edges:
+            raise TuneError("the simulator serves models with one length per input; this profile has several")
+        max_length = max(edges)
+        rates = [float(r) for r in args.rates.split(",") if r.strip()]
+    except ValueError as error:
+        raise TuneError(str(error)) from None
+    print(f"workload {args.workload!r}, {len(tokens)} lengths; {cores} cores; {args.duration:g} s per rate; "
+          f"latency from arrival, ms")
+    print("  arm         rate  sent   200  503  504  short p50/p95/p99       long p50/p95/p99        padding")
+    for rate in rates:
+        for arm in arms:
+            point = sim.at_rate(arm, rate, tokens, profiles, max_length, args.duration, args.seed, cores=cores)
+            short, long = point.latency["short"], point.latency["long"]
+            trio = lambda d: "/".join("-" if d[k] is None else f"{d[k]:g}" for k in ("p50", "p95", "p99"))  # noqa: E731
+            print(f"  {arm.name:<10} {rate:>5g} {point.sent:>5} {point.ok:>5} {point.status.get('503', 0):>4} "
+                  f"{point.status.get('504', 0):>4}  {trio(short):<22}  {trio(long):<22}  {point.padding_waste}")
+    for arm in arms:
+        found = sim.capacity(arm, tokens, profiles, max_length, args.target_ms, min(args.duration, 30.0), args.seed,
+                             cores=cores)
+        say(f"capacity of {arm.name}: {found:g} req/s at p99 <= {args.target_ms:g} ms (every request answered 200)")
+    return 0
 
 
 def _export_parser(sub) -> None:
@@ -347,7 +408,8 @@ def cmd_export(args) -> int:
 
 
 COMMANDS = {"archive": cmd_archive, "profile": cmd_profile, "tune": cmd_tune, "export": cmd_export,
-            "wait-ready": cmd_wait_ready, "stop": cmd_stop, "config-docs": cmd_config_docs}
+            "wait-ready": cmd_wait_ready, "stop": cmd_stop, "config-docs": cmd_config_docs,
+            "simulate": cmd_simulate}
 ERRORS = (ArchiveError, ConfigError, server.ServerError, OSError, yaml.YAMLError, TuneError, KServeError,
           ProfileError)
 

@@ -23,8 +23,8 @@ from tsbatch.handlers.buckets import longest
 from tsbatch.handlers.config import HandlerConfig
 
 DEFAULT_WORKLOAD = "search"  # queries and passages: the traffic most encoder deployments see
-DURATION_S = 20.0  # simulated seconds per rate
-RESOLUTION = 2.0  # req/s to which capacity is searched
+DURATION_S = 15.0  # simulated seconds per rate
+RESOLUTION = 3.0  # req/s to which capacity is searched
 FIRST_COME = dict(batch_size=8, max_batch_delay_ms=10)  # make bench's control (bench/run.py FRONTEND)
 
 
@@ -45,17 +45,20 @@ def search(tuning: Tuning, profile, section: Mapping[str, Any], workload: str = 
     edges = [s.bucket for s in profile.shapes]
     if not edges or not all(isinstance(b, int) for b in edges):
         return tuning  # models with several sizes (generation): the analytic tuning only
+    candidates = _candidates(tuning, section, tuning.machine.cores, profile)
+    if not any(c.name == "template" for c in candidates):
+        return tuning  # the profile never ran a pass on the threads these workers would give it
     tokens = workload_tokens(workload)
     max_length = longest(edges)
     cores = tuning.machine.cores
-    profiles = {_threads(profile): profile}
+    profiles = {profile_threads(profile): profile}
     target = tuning.target_ms
     first_come = Arm("first-come", kind="first-come", threads=cores, **FIRST_COME)
     reference = capacity(first_come, tokens, profiles, max_length, target, DURATION_S, seed, RESOLUTION,
                          cores=cores, overheads=overheads)
     at = max(1.0, 0.7 * reference)
     rated = []
-    for candidate in _candidates(tuning, section, cores, profile):
+    for candidate in candidates:
         arm = _arm(candidate, section)
         cap = capacity(arm, tokens, profiles, max_length, target, DURATION_S, seed, RESOLUTION, cores=cores,
                        overheads=overheads)
@@ -72,11 +75,14 @@ def search(tuning: Tuning, profile, section: Mapping[str, Any], workload: str = 
            f"{target:g} ms against the untuned template's {template.capacity:g} and first-come batching's "
            f"{reference:g} (archiver/tune_sim.py; every candidate in the header)")
     handler = dict(tuning.handler)
-    for key in ("batch_caps", "max_wait_ms", "deadline_ms", "long_lane_from", "torch_threads"):
-        handler.pop(key, None)
+    for key in ("batch_caps", "max_wait_ms", "deadline_ms"):
+        if key not in section:
+            handler.pop(key, None)
     for key, value in best.handler.items():
-        handler[key] = Choice(value, why)
-    handler["torch_threads"] = Choice(best.handler.get("torch_threads", max(1, cores // best.workers)), why)
+        if key not in ("buckets", "torch_threads"):
+            handler[key] = Choice(value, why)
+    if "torch_threads" not in section:
+        handler["torch_threads"] = Choice(best.handler["torch_threads"], why)
     frontend = dict(tuning.frontend)
     frontend["minWorkers"] = Choice(best.workers, why)
     frontend["maxWorkers"] = Choice(best.workers, "as many as minWorkers: more would oversubscribe the cores "
@@ -91,7 +97,7 @@ def search(tuning: Tuning, profile, section: Mapping[str, Any], workload: str = 
                    simulated=report, workload=workload, chosen=best.name, reference_rate=round(at, 1))
 
 
-def _threads(profile) -> int:
+def profile_threads(profile) -> int:
     """The intra-op threads the profile's passes ran with (its lanes' threads)."""
     per_bucket = profile.environment.get("threads_per_bucket")
     if isinstance(per_bucket, dict) and per_bucket:
@@ -103,31 +109,37 @@ def _threads(profile) -> int:
 
 
 def _candidates(tuning: Tuning, section: Mapping[str, Any], cores: int, profile) -> list[Candidate]:
-    """The analytic choice, the template, and what lies between them, with one worker or one per
-    core. Keys the user's handler section sets keep the user's value in every candidate."""
+    """The analytic choice, the template, and what lies between them, on the analytic workers x
+    threads, and with one worker per core. Only candidates whose passes run on the threads the
+    profile measured them with: the simulator does not guess how a pass scales with threads (a
+    profile taken on another machine than the one tuned for simulates nothing). Keys the user's
+    handler section sets keep the user's value in every candidate."""
     tuned = {k: c.value for k, c in tuning.handler.items() if k in ("batch_caps", "max_wait_ms", "deadline_ms")}
     template = HandlerConfig.from_yaml(dict(section))
     base = {"max_wait_ms": template.max_wait_ms, "deadline_ms": template.deadline_ms}
-    one = {"torch_threads": cores}
+    workers = int(tuning.frontend["minWorkers"].value)
+    threads = {"torch_threads": tuning.handler["torch_threads"].value}
     out = [
-        Candidate("analytic", {**tuned, **one}, 1),
-        Candidate("template", {**base, **one}, 1),
-        Candidate("analytic caps, template waits", {**base, "batch_caps": tuned["batch_caps"], **one}, 1),
-        Candidate("template caps, tuned deadline", {**base, "deadline_ms": tuned["deadline_ms"], **one}, 1),
-        Candidate("analytic, one lane", {**tuned, "long_lane_from": None, **one}, 1),
-        Candidate("template, one lane", {**base, "long_lane_from": None, **one}, 1),
+        Candidate("analytic", {**tuned, **threads}, workers),
+        Candidate("template", {**base, **threads}, workers),
+        Candidate("analytic caps, template waits", {**base, "batch_caps": tuned["batch_caps"], **threads}, workers),
+        Candidate("template caps, tuned deadline", {**base, "deadline_ms": tuned["deadline_ms"], **threads}, workers),
     ]
-    if cores > 1:
+    if cores > workers:
         out += [Candidate(f"analytic, {cores} workers", {**tuned, "torch_threads": 1}, cores),
                 Candidate(f"template, {cores} workers", {**base, "torch_threads": 1}, cores)]
     buckets = tuning.handler["buckets"].value
     out = [replace(c, handler={k: v for k, v in {"buckets": buckets, **c.handler}.items() if k not in section})
            for c in out]
-    measured = _threads(profile)  # a pass on threads the profile never ran with would be a guess
-    return [c for c in out if c.name == "template" or _lane_threads(c, section) == measured]
+    measured = profile_threads(profile)  # a pass on threads the profile never ran with would be a guess
+    recorded = profile.environment.get("cpu_count")
+    if isinstance(recorded, int) and recorded != cores:
+        return []
+    return [c for c in out if _lane_threads(c, section) == measured]
 
 
 def _lane_threads(candidate: Candidate, section: Mapping[str, Any]) -> int:
+    """The intra-op threads each of the candidate's lanes would run a pass on."""
     config = HandlerConfig.from_yaml({**candidate.handler, **section})
     lanes = 1 if config.long_lane_from is None else 2
     return max(1, (config.torch_threads or 1) // lanes)

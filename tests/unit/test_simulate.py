@@ -91,7 +91,7 @@ def test_passes_slow_down_when_their_threads_outnumber_the_cores():
 
 def test_pass_times_interpolate_unmeasured_shapes_and_keep_measured_ones():
     times = PassTimes(PROFILES)
-    exact = PROFILES[1].lookup(4, 32)
+    exact = PROFILES[1].lookup(batch=4, bucket=32)
     assert times.median_p90(length=32, size=4, threads=1) == (exact.median_ms / 1000, exact.p90_ms / 1000)
     low = times.median_p90(length=32, size=4, threads=1)[0]
     high = times.median_p90(length=40, size=4, threads=1)[0]
@@ -144,3 +144,34 @@ def test_tuning_by_simulation_ships_a_candidate_no_worse_than_the_template_or_fi
                   "two-cluster")
     assert all(c.handler.get("max_wait_ms", 7) == 7 for c in kept.simulated)
     assert "max_wait_ms" not in {k for k, c in kept.handler.items() if "chosen by simulation" in c.reason}
+
+
+def test_the_simulate_command_prints_each_rate_and_each_arms_capacity(tmp_path, capsys):
+    from tsbatch.archiver.cli import main
+
+    profile = cpu_like(1)
+    profile.environment.update({"task": "embedding", "cpu_count": 2, "threads_per_bucket": {"8": 1}})
+    path = tmp_path / "profile.json"
+    profile.save(str(path))
+    assert main(["simulate", "--profile", str(path), "--workload", "two-cluster", "--rates", "20", "--duration", "10"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.strip().startswith(("tsbatch ", "first-come "))]
+    assert [row[0] for row in rows] == ["tsbatch", "first-come"] and all(row[1] == "20" for row in rows)
+    capacities = dict(line.split("capacity of ")[1].split(": ")[:2] for line in out.splitlines() if "capacity of" in line)
+    assert float(capacities["tsbatch"].split()[0]) > float(capacities["first-come"].split()[0]) > 0
+    assert main(["simulate", "--profile", str(path), "--workload", "no-such-workload"]) == 2
+
+
+def test_a_profile_from_another_machine_or_other_threads_is_tuned_analytically():
+    from tsbatch.archiver.tune import Machine, tune
+    from tsbatch.archiver.tune_sim import search
+
+    section = {"task": "embedding"}
+    profile = cpu_like(1)
+    profile.environment.update({"task": "embedding", "threads_per_bucket": {"8": 1}, "cpu_count": 2})
+    for_eight = tune(profile, 500.0, Machine(8), HandlerConfig.from_yaml(section))
+    assert search(for_eight, profile, section, "two-cluster") is for_eight  # tuned for 8 cores, measured on 2
+    two_threads = cpu_like(2)
+    two_threads.environment.update({"task": "embedding", "threads_per_bucket": {"8": 2}, "cpu_count": 2})
+    here = tune(two_threads, 500.0, Machine(2), HandlerConfig.from_yaml(section))
+    assert search(here, two_threads, section, "two-cluster") is here  # lanes of 1 thread were never measured

@@ -97,9 +97,9 @@ def test_tuned_caps_are_measured_powers_of_two_and_the_fastest_that_fit():
     budget = (500 - wait) / 2
     assert set(caps) == {16, 64, 256}
     for bucket, cap in caps.items():
-        assert profile.lookup(cap, bucket) is not None and cap & (cap - 1) == 0
+        assert profile.lookup(batch=cap, bucket=bucket) is not None and cap & (cap - 1) == 0
         fitting = [s for s in profile.shapes if s.bucket == bucket and s.p90_ms <= budget]
-        assert profile.lookup(cap, bucket).p90_ms <= budget
+        assert profile.lookup(batch=cap, bucket=bucket).p90_ms <= budget
         assert cap == max(fitting, key=lambda s: s.batch / s.median_ms).batch
     # with a fixed cost per pass, the biggest batch that fits wins: all of 16's, fewer of 256's
     assert caps == {16: 32, 64: 32, 256: 16}
@@ -357,7 +357,7 @@ def test_tuned_properties_carry_their_reasons(tmp_path):
 
 def test_tune_writes_files_that_read_back(tmp_path):
     profile_path = tmp_path / "profile.json"
-    linear().save(str(profile_path))
+    linear(threads_per_bucket={"16": 1, "64": 1, "256": 1}).save(str(profile_path))  # as warmup records lanes
     request = pipeline.Request("unused", "minilm", dict(BASE), 400.0, workload="search")
     built = pipeline.tune_to(request, str(profile_path), str(tmp_path / "out"), {})
     with open(built.config_path) as f:
@@ -368,10 +368,11 @@ def test_tune_writes_files_that_read_back(tmp_path):
     with open(built.config_path) as f:
         assert f"Candidates simulated on workload 'search'" in f.read()
     assert config["continuousBatching"] is True and config["asyncCommunication"] is False
-    assert config["minWorkers"] == 1
+    workers = built.tuning.frontend["minWorkers"].value
+    assert config["minWorkers"] == config["maxWorkers"] == workers
     with open(built.properties) as f:
         values = read_properties(f.read())
-    assert values["load_models"] == "minilm.mar" and values["default_workers_per_model"] == "1"
+    assert values["load_models"] == "minilm.mar" and values["default_workers_per_model"] == str(workers)
 
 
 def test_a_file_that_is_not_a_profile_is_refused(tmp_path):
