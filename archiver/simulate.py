@@ -24,7 +24,7 @@ import json
 import math
 import os
 import random
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from tsbatch.handlers.buckets import Item, bucket_for, bucket_tokens

@@ -1,0 +1,136 @@
+"""The simulator against live `make bench` runs: for each workload's report, every arm it measured
+served again in the simulator (archiver/simulate.py) with the profile the run was tuned from, and
+the agreement in one table: capacity at the target, and short p99 at the rate make bench measured
+it (70% of first-come's capacity). Writes bench/results/simulator-vs-live.{json,md}.
+
+    python bench/validate_sim.py --profile P.json --profile-2t P2.json LIVE/bench-search.json ...
+
+`--profile`: the profile the tsbatch arms serve with (taken with their lanes' threads, as
+`tsbatch profile` does); `--profile-2t`: one taken with a single lane on every thread (handler
+long_lane_from: null), for first-come's two-thread passes. Arm t is tuned again from --profile
+exactly as `make bench` tuned it (tsbatch archive's default workload).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from tsbatch.archiver import pipeline  # noqa: E402
+from tsbatch.archiver.simulate import Arm, at_rate, capacity, workload_tokens  # noqa: E402
+from tsbatch.archiver.tune_sim import DEFAULT_WORKLOAD, profile_threads  # noqa: E402
+from tsbatch.handlers.config import HandlerConfig  # noqa: E402
+from bench.loadtest import report as reports  # noqa: E402
+
+CAPACITY_WITHIN = 0.15
+P99_WITHIN = 0.25
+
+
+def tuned_arm(profile_path: str, target_ms: float) -> Arm:
+    """Arm t as make bench builds it: tsbatch archive --profile, continuous mode, default workload."""
+    request = pipeline.Request("", "minilm", {"task": "embedding"}, target_ms, workload=DEFAULT_WORKLOAD)
+    tuning, _ = pipeline.tune_for(request, pipeline.load_profile(profile_path))
+    handler = {"task": "embedding", **tuning.handler_values()}
+    frontend = tuning.frontend_values()
+    return Arm("t", config=HandlerConfig.from_yaml(handler), workers=int(frontend["minWorkers"]),
+               batch_size=int(frontend["batchSize"]))
+
+
+def arms_for(live: dict, profile_path: str) -> dict[str, Arm]:
+    template = HandlerConfig.from_yaml({"task": "embedding"})
+    known = {
+        "a": Arm("a", kind="first-come", pad="max", threads=2),
+        "b": Arm("b", kind="first-come", threads=2),
+        "d": Arm("d", config=template, batch_size=template.queue_cap + 32),
+        "d2": Arm("d2", config=HandlerConfig.from_yaml({"task": "embedding", "torch_threads": 1}), workers=2,
+                  batch_size=template.queue_cap + 32),
+        "b2": Arm("b2", kind="first-come", workers=2, threads=1),
+    }
+    out = {name: known[name] for name in live["arms"] if name in known}
+    if "t" in live["arms"]:
+        out["t"] = tuned_arm(profile_path, live["latency_target_ms"])
+    return out
+
+
+def within(predicted, measured, share: float) -> bool | None:
+    if predicted is None or measured is None or measured == 0:
+        return None
+    return abs(predicted - measured) / measured <= share
+
+
+def compare(live: dict, profiles: dict, profile_path: str) -> dict:
+    tokens = workload_tokens(live["workload"])
+    max_length = max(s.bucket for s in next(iter(profiles.values())).shapes if isinstance(s.bucket, int))
+    target = live["latency_target_ms"]
+    rows = {}
+    for name, arm in arms_for(live, profile_path).items():
+        measured = live["arms"][name]
+        rate = measured["at_70pct_b"]["offered_rate"]
+        predicted_capacity = capacity(arm, tokens, profiles, max_length, target, 30.0, 0, 1.0)
+        point = at_rate(arm, rate, tokens, profiles, max_length, 60.0, 0)
+        live_p99 = measured["at_70pct_b"]["short"]["p99"]
+        sweep = [{"rate": live_point["offered_rate"], "live": {k: live_point[k]["p99"] for k in ("short", "long")},
+                  "simulated": {k: v["p99"] for k, v in at_rate(arm, live_point["offered_rate"], tokens, profiles,
+                                                                max_length, 30.0, 0).latency.items() if k != "all"}}
+                 for live_point in sorted(measured["sweep"], key=lambda p: p["offered_rate"])]
+        rows[name] = {"sweep": sweep, "capacity": {"live": measured["capacity"], "simulated": predicted_capacity,
+                                   "agrees": within(predicted_capacity, measured["capacity"], CAPACITY_WITHIN)},
+                      "short_p99_at_70pct_b": {"rate": rate, "live": live_p99, "simulated": point.latency["short"]["p99"],
+                                               "agrees": within(point.latency["short"]["p99"], live_p99, P99_WITHIN)}}
+    return {"workload": live["workload"], "live_when": live["when"], "live_command": live["command"], "arms": rows}
+
+
+def markdown(report: dict) -> str:
+    lines = [f"# The simulator against live make bench ({report['when']})", "",
+             f"Machine: {report['machine']}. Command: `{report['command']}`.",
+             f"Agreement asked: capacity within {CAPACITY_WITHIN:.0%} of live, short p99 at 70% of first-come's "
+             f"capacity within {P99_WITHIN:.0%}. Simulated: 30 s per rate for capacity (1 req/s resolution), "
+             "60 s at the 70% rate, seed 0; the live runs' own settings are in their reports.", ""]
+    for result in report["workloads"]:
+        lines += [f"## {result['workload']} (live: {result['live_when']}, `{result['live_command']}`)", "",
+                  "| arm | capacity live | simulated | within 15% | short p99 @70% b live (ms) | simulated | within 25% |",
+                  "|---|---|---|---|---|---|---|"]
+        for name, row in result["arms"].items():
+            c, p = row["capacity"], row["short_p99_at_70pct_b"]
+            yes = lambda v: {True: "yes", False: "**no**", None: "-"}[v]  # noqa: E731
+            lines.append(f"| {name} | {c['live']} | {c['simulated']} | {yes(c['agrees'])} | {p['live']} "
+                         f"(at {p['rate']} req/s) | {p['simulated']} | {yes(p['agrees'])} |")
+        lines += ["", "Each rate of the live sweep, p99 in ms, live / simulated (short; long):", ""]
+        for name, row in result["arms"].items():
+            cells = [f"{pt['rate']:g}: {pt['live']['short']} / {pt['simulated']['short']}; "
+                     f"{pt['live']['long']} / {pt['simulated']['long']}" for pt in row["sweep"]]
+            lines.append(f"- {name}: " + " · ".join(cells))
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("live", nargs="+", help="make bench reports (bench-WORKLOAD.json)")
+    parser.add_argument("--profile", required=True)
+    parser.add_argument("--profile-2t", help="a profile taken on one lane with every thread (first-come's passes)")
+    parser.add_argument("--out", default=os.path.join(reports.RESULTS, "simulator-vs-live"))
+    args = parser.parse_args(argv)
+    lanes = pipeline.load_profile(args.profile)
+    profiles = {profile_threads(lanes): lanes}
+    if args.profile_2t:
+        two = pipeline.load_profile(args.profile_2t)
+        profiles[profile_threads(two)] = two
+    report = {"when": reports.utc_now(), "machine": reports.machine(),
+              "command": "python bench/validate_sim.py " + " ".join(sys.argv[1:] if argv is None else argv),
+              "profiles": {str(t): p.environment for t, p in profiles.items()}, "workloads": []}
+    for path in args.live:
+        with open(path) as f:
+            report["workloads"].append(compare(json.load(f), profiles, args.profile))
+    text = markdown(report)
+    reports.write(args.out, report, text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
