@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 # Python hands the GIL to a waiting thread after this long (its default: 5 ms). A lane's pass
 # gives the GIL up around every torch op and must get it back for the next one; with TorchServe's
 # protocol loop and the other lane holding it in pure Python, the default let a short pass wait up
-# to 5 ms at an op (measured: bench/results/gil-switch-*.md).
+# to 5 ms at an op (measured: docs/experiments.md, "GIL switch interval").
 LANE_SWITCH_INTERVAL_S = 0.0005
 
 

@@ -27,9 +27,8 @@ from tsbatch.handlers.stages import Call, answer, by_request, prepare
 
 # TorchServe re-sends every request a worker holds with each call (its id and all its HTTP
 # headers, encoded by the frontend and read back field by field by the worker), so a reply while
-# holding N requests costs N re-sends. At 130 req/s offered to one worker (bench/results/
-# reply-pace.md) it replied ~100 times a second holding ~26 requests: 2,600 re-sends a second
-# for 120 answers, CPU taken from the passes on a saturated machine.
+# holding N requests costs N re-sends: CPU taken from the passes on a saturated machine
+# (measured: docs/experiments.md, "reply pace").
 PACE_PER_HELD_S = 0.001  # a reply waits this long per request it leaves held ...
 PACE_MAX_S = 0.03  # ... up to this long, after the previous one
 
