@@ -18,13 +18,15 @@ from tsbatch.handlers.stages import PADDED_HEADER
 
 EXAMPLE = os.path.join(REPO, "examples", "generate")
 NAME = "gen"
-HANDLER_YAML = "buckets: [[16, 64], [8, 64]]\nmax_batch_size: 4\nlong_lane_from: 80\n"
+HANDLER_YAML = ("handler: {buckets: [[16, 64], [8, 64]], max_batch_size: 4, long_lane_from: 80}\n"
+                "model: {max_prompt_tokens: 64, max_new_tokens: 64}\n")  # the model's limits: its own section
 
 
 @pytest.fixture(scope="module")
 def gen(tmp_path_factory, wheel_venv):
     with serve_example(tmp_path_factory.mktemp("gen"), wheel_venv, EXAMPLE, NAME, [],
-                       ["--handler", "gen_handler.py", "--extra-files", "gen_model.py"], HANDLER_YAML) as served:
+                       ["--handler", "gen_handler.py", "--extra-files", "gen_model.py", "--target-ms", "2000"],
+                       HANDLER_YAML) as served:  # the target docs/writing-a-model.md archives it with
         yield served
 
 
