@@ -24,24 +24,7 @@ from typing import Any, Mapping
 
 from tsbatch.handlers.errors import (BadInput, ConfigError, DeadlineExceeded, ModelFailed, OutOfMemory, Overloaded,
                                      ServingError)
-
-
-class Priority(enum.IntEnum):
-    """X-Priority, as the encoder modes read it: lower value, better class."""
-
-    HIGH = 0
-    NORMAL = 1
-    LOW = 2
-
-    @classmethod
-    def parse(cls, value: str | None) -> "Priority":
-        """From the X-Priority header; absent means normal, anything unknown is the client's error."""
-        if value is None or not value.strip():
-            return cls.NORMAL
-        try:
-            return cls[value.strip().upper()]
-        except KeyError:
-            raise BadInput(f"X-Priority must be high, normal or low, got {value!r}") from None
+from tsbatch.handlers.policy import Priority  # one X-Priority for every mode
 
 
 class Status(enum.Enum):
