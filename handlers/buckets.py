@@ -39,7 +39,7 @@ class Item:
 @dataclass(frozen=True)
 class Batch:
     """Requests that run as one forward pass, padded to `bucket`: its own requests and, where one
-    pass pays (handlers/merging.py), shorter buckets' of the same lane."""
+    pass pays (handlers/policy.py, merge_edge), shorter buckets' of the same lane."""
 
     bucket: Bucket
     items: tuple[Item, ...]

@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 from tsbatch.handlers.errors import BadInput, ConfigError
-from tsbatch.handlers.generation_scheduler import GenerationPolicy, Priority
+from tsbatch.handlers.generation_policy import GenerationSettings, Priority
 
 PRIORITY_HEADER = "x-priority"  # the encoder modes' names for the same two headers
 DEADLINE_HEADER = "x-deadline-ms"
@@ -63,19 +63,19 @@ class GenerationConfig:
         if config.default_new_tokens > config.max_new_tokens:
             raise ConfigError(f"handler.default_new_tokens ({config.default_new_tokens}) must be at most "
                               f"max_new_tokens ({config.max_new_tokens})")
-        config.policy()  # the scheduler's own checks, at load
+        config.settings()  # the policy's own checks, at load
         return config
 
-    def policy(self, kv_bound: int | None = None) -> GenerationPolicy:
-        """The scheduler's policy; `kv_bound`: the device's own bound, where it is known (kv_bound_for)."""
+    def settings(self, kv_bound: int | None = None) -> GenerationSettings:
+        """The policy's settings; `kv_bound`: the device's own bound, where it is known (kv_bound_for)."""
         kv_bound = self.kv_bound if kv_bound is None else min(self.kv_bound, kv_bound)
-        return GenerationPolicy(token_budget=self.token_budget, kv_bound=kv_bound, max_running=self.max_running,
+        return GenerationSettings(token_budget=self.token_budget, kv_bound=kv_bound, max_running=self.max_running,
                                 queue_cap=self.queue_cap, priority_aging=self.priority_aging_ms / 1000,
                                 preempt_for_priority=self.preempt_for_priority)
 
 
 def kv_bound_for(free_bytes: int, bytes_per_token: int, share: float) -> int:
-    """KV-cache tokens that `share` of `free_bytes` holds (at least 1: the scheduler refuses what
+    """KV-cache tokens that `share` of `free_bytes` holds (at least 1: the policy refuses what
     cannot fit, and out of memory lowers it further)."""
     return max(1, int(free_bytes * share) // max(1, bytes_per_token))
 

@@ -1,4 +1,4 @@
-"""The generation engine's loop: one thread that plans a step (GenerationScheduler), runs it on
+"""The generation engine's loop: one thread that plans a step (GenerationPolicy), runs it on
 the model (GenerationRunner) and settles it, over and over while anything is live.
 
 A step that raises is run again in halves until each failing sequence is alone: it gets its own
@@ -18,7 +18,7 @@ from typing import Any, Callable, Protocol
 
 from tsbatch.handlers.errors import ModelFailed, ModelUnavailable, OutOfMemory, ServingError
 from tsbatch.handlers.generation_runner import GenerationRunner, RowResult, SequenceCache
-from tsbatch.handlers.generation_scheduler import (GenerationRequest, GenerationScheduler, Seq, Status, StepOutcome,
+from tsbatch.handlers.generation_policy import (GenerationRequest, GenerationPolicy, Seq, Status, StepOutcome,
                                                    StepPlan, model_failed, produced_nan)
 
 logger = logging.getLogger(__name__)
@@ -54,14 +54,14 @@ class AsyncWaiter:
 
 
 class GenerationEngine:
-    """Runs the scheduler's plans on the runner; `step()` is one iteration, `start()` a thread of them."""
+    """Runs the policy's plans on the runner; `step()` is one iteration, `start()` a thread of them."""
 
-    def __init__(self, scheduler: GenerationScheduler, runner: GenerationRunner,
+    def __init__(self, policy: GenerationPolicy, runner: GenerationRunner,
                  clock: Callable[[], float] = time.monotonic, name: str = "tsbatch-generation"):
-        self.scheduler = scheduler
+        self.policy = policy
         self.runner = runner
         self.clock = clock
-        self.cond = threading.Condition()  # guards the scheduler; the model runs outside it
+        self.cond = threading.Condition()  # guards the policy; the model runs outside it
         self.caches: dict[Seq, SequenceCache] = {}  # the loop's own: running sequences' KV caches
         self.splits = 0  # parts of steps that raised and were re-run in halves
         self.steps = 0  # steps that ran the model
@@ -70,16 +70,16 @@ class GenerationEngine:
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
 
     def submit(self, request: GenerationRequest, waiter: Any = None) -> Seq:
-        """Queue a request; Overloaded or OutOfMemory propagate at once (the scheduler's refusals)."""
+        """Queue a request; Overloaded or OutOfMemory propagate at once (the policy's refusals)."""
         with self.cond:
-            seq = self.scheduler.submit(request, waiter)
+            seq = self.policy.submit(request, waiter)
             self.cond.notify_all()
         return seq
 
     def cancel(self, seq: Seq) -> bool:
         """The client went away: its seat and cache are freed at the next step boundary."""
         with self.cond:
-            return self.scheduler.cancel(seq, self.clock())
+            return self.policy.cancel(seq, self.clock())
 
     def start(self) -> "GenerationEngine":
         self.thread.start()
@@ -93,9 +93,9 @@ class GenerationEngine:
         if self.thread.is_alive():
             self.thread.join(timeout)
         with self.cond:
-            left = self.scheduler.waiting + self.scheduler.running
+            left = self.policy.waiting + self.policy.running
             for seq in left:
-                self.scheduler.cancel(seq, self.clock())
+                self.policy.cancel(seq, self.clock())
                 seq.status, seq.error = Status.FAILED, ModelUnavailable("the worker is stopping: retry")
         self.caches.clear()
         for seq in left:
@@ -104,7 +104,7 @@ class GenerationEngine:
     def step(self) -> StepPlan | None:
         """Plan, run and settle one step; None when nothing was live."""
         with self.cond:
-            plan = self.scheduler.schedule(self.clock())
+            plan = self.policy.schedule(self.clock())
         self._drop_caches()  # preempted, expired, refused, or cancelled since the last step
         for seq in plan.ended:
             _tell(seq, "settle")
@@ -114,7 +114,7 @@ class GenerationEngine:
         self.steps += 1
         self.tokens += len(outcome.tokens) - len(outcome.eos)  # an end-of-sequence token is no part of an answer
         with self.cond:
-            ended = self.scheduler.finished(plan, outcome, self.clock())
+            ended = self.policy.finished(plan, outcome, self.clock())
         for seq in plan.runs:
             if seq.status is Status.RUNNING and seq in caches:
                 self.caches[seq] = caches[seq]
@@ -129,7 +129,7 @@ class GenerationEngine:
         """What the metrics report: sequences running and waiting, KV-cache tokens in use against the
         bound, and counts since start (steps, tokens made, preemptions, out-of-memory steps, isolation splits)."""
         with self.cond:
-            s = self.scheduler
+            s = self.policy
             return {"running": len(s.running), "waiting": len(s.waiting), "kv_tokens": s.kv_in_use,
                     "kv_bound": s.kv_bound, "steps": self.steps, "tokens": self.tokens, "preemptions": s.preemptions,
                     "out_of_memory_steps": s.out_of_memory_steps, "splits": self.splits}
@@ -203,13 +203,13 @@ class GenerationEngine:
             if plan is None or not plan.runs:
                 with self.cond:
                     if not self.stopping:  # a submit wakes it at once
-                        self.cond.wait(IDLE_WAIT if not len(self.scheduler) else BLOCKED_WAIT)
+                        self.cond.wait(IDLE_WAIT if not len(self.policy) else BLOCKED_WAIT)
 
     def _fail_all(self, error: ServingError) -> None:
         with self.cond:
-            left = self.scheduler.waiting + self.scheduler.running
+            left = self.policy.waiting + self.policy.running
             for seq in left:
-                self.scheduler.cancel(seq, self.clock())
+                self.policy.cancel(seq, self.clock())
                 seq.status, seq.error = Status.FAILED, error
         self.caches.clear()
         for seq in left:

@@ -21,7 +21,7 @@ from tsbatch.handlers.generation_api import (GenerationConfig, TextStream, answe
                                              line, parse_ask, priority_of)
 from tsbatch.handlers.generation_replies import JSON, NDJSON, Reply
 from tsbatch.handlers.stages import is_http
-from tsbatch.handlers.generation_scheduler import GenerationRequest, GenerationScheduler, Status
+from tsbatch.handlers.generation_policy import GenerationRequest, GenerationPolicy, Status
 
 logger = logging.getLogger(__name__)
 
@@ -58,11 +58,11 @@ class GenerationHandler:
         if on_gpu:
             free, _total = torch.cuda.mem_get_info(self.runner.device)
             device_bound = kv_bound_for(free, self.runner.kv_bytes_per_token, config.kv_memory_share)
-        policy = config.policy(device_bound)
-        self.engine = GenerationEngine(GenerationScheduler(policy), self.runner).start()
+        settings = config.settings(device_bound)
+        self.engine = GenerationEngine(GenerationPolicy(settings), self.runner).start()
         logger.info("tsbatch generation loaded %s on %s: token_budget=%d kv_bound=%d (%d bytes a token) "
-                    "max_running=%d in %.1fs", type(self.runner.lm).__name__, device, policy.token_budget,
-                    policy.kv_bound, self.runner.kv_bytes_per_token, policy.max_running, time.monotonic() - started)
+                    "max_running=%d in %.1fs", type(self.runner.lm).__name__, device, settings.token_budget,
+                    settings.kv_bound, self.runner.kv_bytes_per_token, settings.max_running, time.monotonic() - started)
         self.initialized = True
 
     async def handle(self, data: list, context) -> list:

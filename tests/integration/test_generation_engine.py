@@ -15,7 +15,7 @@ import torch
 from tsbatch.handlers.errors import ModelFailed, ModelUnavailable, OutOfMemory
 from tsbatch.handlers.generation_engine import GenerationEngine
 from tsbatch.handlers.generation_runner import GenerationRunner
-from tsbatch.handlers.generation_scheduler import (GenerationPolicy, GenerationRequest, GenerationScheduler,
+from tsbatch.handlers.generation_policy import (GenerationSettings, GenerationRequest, GenerationPolicy,
                                                    Priority, Status)
 from tests.support import FakeClock
 
@@ -74,7 +74,7 @@ def alone(runner: GenerationRunner, prompt, new: int) -> list[int]:
 def engine_for(runner, clock=None, **policy) -> GenerationEngine:
     values = dict(token_budget=256, kv_bound=4096, max_running=8, queue_cap=64)
     values.update(policy)
-    return GenerationEngine(GenerationScheduler(GenerationPolicy(**values)), runner, clock=clock or FakeClock())
+    return GenerationEngine(GenerationPolicy(GenerationSettings(**values)), runner, clock=clock or FakeClock())
 
 
 def ask(rid, prompt, new, priority=Priority.NORMAL) -> GenerationRequest:
@@ -141,7 +141,7 @@ def test_preempted_sequences_are_recomputed_and_still_answer_as_alone(runner):
     seqs = [engine.submit(ask(f"r{i}", p, n, Priority.LOW if i == 1 else Priority.NORMAL))
             for i, (p, n) in enumerate(zip(texts, news))]
     drive(engine, {0: []}, limit=400)
-    assert engine.scheduler.preemptions >= 1 and seqs[1].preemptions >= 1  # low goes first
+    assert engine.policy.preemptions >= 1 and seqs[1].preemptions >= 1  # low goes first
     assert [s.tokens for s in seqs] == reference
 
 
@@ -232,7 +232,7 @@ def test_out_of_memory_in_a_step_preempts_and_recovers_and_everyone_answers_as_a
         drive(engine, {0: []})
     finally:
         hook.remove()
-    scheduler = engine.scheduler
+    scheduler = engine.policy
     assert scheduler.out_of_memory_steps >= 1 and scheduler.preemptions >= 1 and scheduler.kv_bound <= 120
     assert [s.tokens for s in seqs] == reference
     stats = engine.stats()
@@ -274,13 +274,13 @@ def test_the_loop_thread_streams_tokens_frees_a_cancelled_seat_and_answers_503_w
         while len(gone.tokens) < 2:
             threading.Event().wait(0.005)
         assert engine.cancel(gone)
-        while gone in engine.caches or gone in engine.scheduler.running:
+        while gone in engine.caches or gone in engine.policy.running:
             threading.Event().wait(0.005)
         assert gone.status is Status.CANCELLED and not stays.done.is_set()
     finally:
         engine.stop()
     assert stays.done.is_set()
-    assert engine.scheduler.waiting == engine.scheduler.running == [] and engine.caches == {}
+    assert engine.policy.waiting == engine.policy.running == [] and engine.caches == {}
     assert not engine.thread.is_alive()
 
 

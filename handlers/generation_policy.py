@@ -97,7 +97,7 @@ class Seq:
 
 
 @dataclass(frozen=True)
-class GenerationPolicy:
+class GenerationSettings:
     token_budget: int  # tokens fed to the model per step: 1 per decode, a prefill's whole context
     kv_bound: int  # KV-cache tokens live after a step, all sequences together (the start; learned down)
     max_running: int  # sequences in one step at most
@@ -161,12 +161,12 @@ def _victim_order(seq: Seq) -> tuple:
     return (-int(seq.priority), -seq.joined, -seq.request.arrived)
 
 
-class GenerationScheduler:
+class GenerationPolicy:
     """Waiting and running sequences, and the rules that plan each step and settle it."""
 
-    def __init__(self, policy: GenerationPolicy):
-        self.policy = policy
-        self.kv_bound = policy.kv_bound  # learned from out of memory: only goes down
+    def __init__(self, settings: GenerationSettings):
+        self.settings = settings
+        self.kv_bound = settings.kv_bound  # learned from out of memory: only goes down
         self.waiting: list[Seq] = []
         self.running: list[Seq] = []
         self.preemptions = 0
@@ -190,8 +190,8 @@ class GenerationScheduler:
         if seq.most > self.kv_bound:
             raise self._cannot_fit(seq)
         fresh = sum(1 for s in self.waiting if s.preemptions == 0)
-        if fresh >= self.policy.queue_cap:
-            raise Overloaded(f"this worker has {fresh} generation requests waiting (cap {self.policy.queue_cap}): "
+        if fresh >= self.settings.queue_cap:
+            raise Overloaded(f"this worker has {fresh} generation requests waiting (cap {self.settings.queue_cap}): "
                              "retry shortly")
         self.waiting.append(seq)
         return seq
@@ -229,14 +229,14 @@ class GenerationScheduler:
             kv -= victim.context
         tokens = len(decode)
         prefill: list[Seq] = []
-        aging = self.policy.priority_aging
+        aging = self.settings.priority_aging
         for seq in sorted(self.waiting, key=lambda s: (s.effective_priority(now, aging), s.request.arrived)):
             if seq in preempted:  # not back in the same step it lost its seat
                 continue
-            over_budget = prefill and tokens + seq.context > self.policy.token_budget  # one prefill may exceed it
+            over_budget = prefill and tokens + seq.context > self.settings.token_budget  # one prefill may exceed it
             if over_budget:
                 break
-            seats = len(decode) + len(prefill) < self.policy.max_running
+            seats = len(decode) + len(prefill) < self.settings.max_running
             if not seats or kv + seq.context > self.kv_bound:
                 victims = self._make_room(seq, decode, kv, seats)
                 if victims is None:
@@ -261,7 +261,7 @@ class GenerationScheduler:
         live = [seq for seq in plan.runs if seq.status is Status.RUNNING]
         if outcome.out_of_memory:
             self.out_of_memory_steps += 1
-            self.kv_bound = max(1, min(self.kv_bound, plan.kv_tokens - 1, int(plan.kv_tokens * self.policy.oom_backoff)))
+            self.kv_bound = max(1, min(self.kv_bound, plan.kv_tokens - 1, int(plan.kv_tokens * self.settings.oom_backoff)))
             for seq in plan.prefill:  # never got a cache: back to waiting, not a preemption
                 if seq.status is Status.RUNNING:
                     self.running.remove(seq)
@@ -305,7 +305,7 @@ class GenerationScheduler:
     def _make_room(self, seq: Seq, decode: list[Seq], kv: int, seats: bool) -> list[Seq] | None:
         """The running sequences of a lower class than `seq` whose preemption lets it join (a seat and
         its KV), in victim order; None when preemption is off or cannot make enough room."""
-        if not self.policy.preempt_for_priority:
+        if not self.settings.preempt_for_priority:
             return None
         victims: list[Seq] = []
         for victim in sorted((s for s in decode if s.priority > seq.priority), key=_victim_order):

@@ -1,4 +1,4 @@
-"""The generation scheduler's rules, one step at a time, with time passed in (a fake clock)."""
+"""The generation policy's rules, one step at a time, with time passed in (a fake clock)."""
 from __future__ import annotations
 
 import json
@@ -10,7 +10,7 @@ import pytest
 
 from tsbatch.handlers.errors import (BadInput, ConfigError, DeadlineExceeded, ModelFailed, OutOfMemory,
                                      Overloaded)
-from tsbatch.handlers.generation_scheduler import (GenerationPolicy, GenerationRequest, GenerationScheduler,
+from tsbatch.handlers.generation_policy import (GenerationSettings, GenerationRequest, GenerationPolicy,
                                                    Priority, Seq, Status, StepOutcome, StepPlan)
 
 pytestmark = pytest.mark.unit
@@ -29,10 +29,10 @@ class Clock:
         return self.now
 
 
-def policy(**overrides) -> GenerationPolicy:
+def policy(**overrides) -> GenerationSettings:
     values = dict(token_budget=64, kv_bound=1000, max_running=8, queue_cap=16)
     values.update(overrides)
-    return GenerationPolicy(**values)
+    return GenerationSettings(**values)
 
 
 def ask(rid: str, prompt: int = 4, new: int = 8, at: float = 0.0, priority: Priority = Priority.NORMAL,
@@ -50,13 +50,13 @@ def rids(seqs) -> list[str]:
     return [s.rid for s in seqs]
 
 
-def step(scheduler: GenerationScheduler, clock: Clock, **outcome) -> tuple[StepPlan, list[Seq]]:
+def step(scheduler: GenerationPolicy, clock: Clock, **outcome) -> tuple[StepPlan, list[Seq]]:
     plan = scheduler.schedule(clock.tick())
     return plan, scheduler.finished(plan, ran(plan, **outcome), clock.tick())
 
 
 def test_the_module_imports_neither_torch_nor_torchserve():
-    probe = ("import json, sys; import tsbatch.handlers.generation_scheduler, tsbatch.handlers.generation_api; "
+    probe = ("import json, sys; import tsbatch.handlers.generation_policy, tsbatch.handlers.generation_api; "
              "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'ts'))))")
     done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, env={**os.environ, "PYTHONPATH": REPO},
                           capture_output=True, text=True, timeout=120)
@@ -65,7 +65,7 @@ def test_the_module_imports_neither_torch_nor_torchserve():
 
 
 def test_waiting_requests_join_in_turn_and_running_ones_decode_every_step():
-    clock, s = Clock(), GenerationScheduler(policy())
+    clock, s = Clock(), GenerationPolicy(policy())
     s.submit(ask("a", prompt=3, at=0.0))
     plan = s.schedule(clock.tick())
     assert rids(plan.prefill) == ["a"] and plan.decode == () and plan.tokens == 3 and plan.kv_tokens == 3
@@ -79,7 +79,7 @@ def test_waiting_requests_join_in_turn_and_running_ones_decode_every_step():
 
 
 def test_prefills_stop_at_the_token_budget_but_one_prefill_may_exceed_it():
-    clock, s = Clock(), GenerationScheduler(policy(token_budget=8, max_running=4))
+    clock, s = Clock(), GenerationPolicy(policy(token_budget=8, max_running=4))
     for i, prompt in enumerate((20, 3)):
         s.submit(ask(f"r{i}", prompt=prompt, at=i * 0.001))
     plan = s.schedule(clock.tick())
@@ -92,7 +92,7 @@ def test_prefills_stop_at_the_token_budget_but_one_prefill_may_exceed_it():
 
 
 def test_joining_stops_at_the_kv_bound_and_a_smaller_later_request_does_not_pass():
-    clock, s = Clock(), GenerationScheduler(policy(kv_bound=30))
+    clock, s = Clock(), GenerationPolicy(policy(kv_bound=30))
     s.submit(ask("big", prompt=12, new=8, at=0.0))
     s.submit(ask("next", prompt=20, new=8, at=0.001))
     s.submit(ask("small", prompt=2, new=2, at=0.002))
@@ -104,7 +104,7 @@ def test_joining_stops_at_the_kv_bound_and_a_smaller_later_request_does_not_pass
 
 
 def test_seats_are_bounded_by_max_running():
-    clock, s = Clock(), GenerationScheduler(policy(max_running=2))
+    clock, s = Clock(), GenerationPolicy(policy(max_running=2))
     for i in range(3):
         s.submit(ask(f"r{i}", at=i * 0.001))
     plan = s.schedule(clock.tick())
@@ -113,7 +113,7 @@ def test_seats_are_bounded_by_max_running():
 
 
 def test_a_sequence_leaves_at_end_of_sequence_or_max_new_tokens_and_the_rest_go_on():
-    clock, s = Clock(), GenerationScheduler(policy())
+    clock, s = Clock(), GenerationPolicy(policy())
     s.submit(ask("stops", new=5, at=0.0))
     s.submit(ask("short", new=2, at=0.001))
     s.submit(ask("long", new=5, at=0.002))
@@ -131,7 +131,7 @@ def test_a_sequence_leaves_at_end_of_sequence_or_max_new_tokens_and_the_rest_go_
 
 
 def test_a_sequence_whose_step_failed_ends_alone():
-    clock, s = Clock(), GenerationScheduler(policy())
+    clock, s = Clock(), GenerationPolicy(policy())
     for rid in ("a", "b", "c"):
         s.submit(ask(rid))
     plan = s.schedule(clock.tick())
@@ -143,7 +143,7 @@ def test_a_sequence_whose_step_failed_ends_alone():
 
 
 def test_an_outcome_that_forgets_a_sequence_is_an_error_that_names_it():
-    clock, s = Clock(), GenerationScheduler(policy())
+    clock, s = Clock(), GenerationPolicy(policy())
     s.submit(ask("a"))
     s.submit(ask("b"))
     plan = s.schedule(clock.tick())
@@ -152,7 +152,7 @@ def test_an_outcome_that_forgets_a_sequence_is_an_error_that_names_it():
 
 
 def test_growth_past_the_bound_preempts_the_lowest_class_then_the_youngest_and_recomputes_it_later():
-    clock, s = Clock(), GenerationScheduler(policy(kv_bound=40))
+    clock, s = Clock(), GenerationPolicy(policy(kv_bound=40))
     s.submit(ask("old-low", prompt=6, new=20, at=0.0, priority=Priority.LOW))
     s.submit(ask("normal", prompt=6, new=20, at=0.001))
     s.submit(ask("young-low", prompt=6, new=20, at=0.002, priority=Priority.LOW))
@@ -174,7 +174,7 @@ def test_growth_past_the_bound_preempts_the_lowest_class_then_the_youngest_and_r
 
 
 def test_out_of_memory_learns_a_lower_bound_sends_joiners_back_and_the_next_plan_preempts():
-    clock, s = Clock(), GenerationScheduler(policy(kv_bound=1000))
+    clock, s = Clock(), GenerationPolicy(policy(kv_bound=1000))
     s.submit(ask("a", prompt=10, new=50, at=0.0))
     s.submit(ask("b", prompt=10, new=50, at=0.001))
     step(s, clock)
@@ -197,7 +197,7 @@ def test_out_of_memory_learns_a_lower_bound_sends_joiners_back_and_the_next_plan
 
 
 def test_a_sequence_preempted_in_a_step_does_not_rejoin_in_that_same_step():
-    clock, s = Clock(), GenerationScheduler(policy(kv_bound=37, oom_backoff=0.5, priority_aging=1.0))
+    clock, s = Clock(), GenerationPolicy(policy(kv_bound=37, oom_backoff=0.5, priority_aging=1.0))
     s.submit(ask("small", prompt=4, new=5, at=0.0, priority=Priority.LOW))
     s.submit(ask("big", prompt=20, new=5, at=0.001))
     s.submit(ask("keep", prompt=10, new=5, at=0.002, priority=Priority.HIGH))
@@ -216,7 +216,7 @@ def test_a_sequence_preempted_in_a_step_does_not_rejoin_in_that_same_step():
 
 
 def test_out_of_memory_alone_fails_that_sequence_and_what_can_no_longer_fit_is_refused():
-    clock, s = Clock(), GenerationScheduler(policy(kv_bound=100, max_running=1))
+    clock, s = Clock(), GenerationPolicy(policy(kv_bound=100, max_running=1))
     s.submit(ask("a", prompt=10, new=50))
     s.submit(ask("waits", prompt=30, new=50, at=0.001))
     s.submit(ask("small", prompt=2, new=3, at=0.002))
@@ -234,22 +234,22 @@ def test_out_of_memory_alone_fails_that_sequence_and_what_can_no_longer_fit_is_r
 
 
 def test_submit_refuses_a_full_queue_and_an_ask_that_cannot_fit_even_alone():
-    s = GenerationScheduler(policy(queue_cap=2, kv_bound=50))
+    s = GenerationPolicy(policy(queue_cap=2, kv_bound=50))
     s.submit(ask("a"))
     s.submit(ask("b"))
     with pytest.raises(Overloaded, match="2 generation requests waiting .cap 2") as full:
         s.submit(ask("c"))
     assert full.value.status == 503
     with pytest.raises(OutOfMemory, match="needs up to 51 KV-cache tokens") as big:
-        GenerationScheduler(policy(kv_bound=50)).submit(ask("big", prompt=41, new=10))
+        GenerationPolicy(policy(kv_bound=50)).submit(ask("big", prompt=41, new=10))
     assert big.value.status == 507
-    GenerationScheduler(policy(kv_bound=50)).submit(ask("just", prompt=40, new=10))
+    GenerationPolicy(policy(kv_bound=50)).submit(ask("just", prompt=40, new=10))
     with pytest.raises(BadInput):
         s.submit(GenerationRequest("empty", (), 4, 0.0))
 
 
 def test_preempted_sequences_do_not_count_against_the_queue_cap():
-    clock, s = Clock(), GenerationScheduler(policy(queue_cap=1, kv_bound=20, max_running=2))
+    clock, s = Clock(), GenerationPolicy(policy(queue_cap=1, kv_bound=20, max_running=2))
     s.submit(ask("a", prompt=8, new=10))
     step(s, clock)
     s.submit(ask("b", prompt=8, new=10, at=clock.now))
@@ -264,7 +264,7 @@ def test_preempted_sequences_do_not_count_against_the_queue_cap():
 
 
 def test_a_high_priority_request_preempts_lower_classes_but_not_its_own():
-    clock, s = Clock(), GenerationScheduler(policy(max_running=2))
+    clock, s = Clock(), GenerationPolicy(policy(max_running=2))
     s.submit(ask("low", priority=Priority.LOW))
     s.submit(ask("normal", at=0.001))
     step(s, clock)
@@ -279,7 +279,7 @@ def test_a_high_priority_request_preempts_lower_classes_but_not_its_own():
 
 
 def test_preemption_for_priority_can_be_turned_off_and_never_evicts_for_nothing():
-    clock, s = Clock(), GenerationScheduler(policy(max_running=2, preempt_for_priority=False))
+    clock, s = Clock(), GenerationPolicy(policy(max_running=2, preempt_for_priority=False))
     s.submit(ask("low", priority=Priority.LOW))
     s.submit(ask("low-2", priority=Priority.LOW, at=0.001))
     step(s, clock)
@@ -287,7 +287,7 @@ def test_preemption_for_priority_can_be_turned_off_and_never_evicts_for_nothing(
     plan = s.schedule(clock.tick())
     assert plan.prefill == () and plan.preempted == ()
     # on, but the lower classes hold too little room for the request: nobody is evicted in vain
-    clock, s = Clock(), GenerationScheduler(policy(kv_bound=40))
+    clock, s = Clock(), GenerationPolicy(policy(kv_bound=40))
     s.submit(ask("normal", prompt=20, new=10))
     s.submit(ask("low", prompt=5, new=5, at=0.001, priority=Priority.LOW))
     step(s, clock)
@@ -297,7 +297,7 @@ def test_preemption_for_priority_can_be_turned_off_and_never_evicts_for_nothing(
 
 
 def test_deadlines_expire_waiting_and_running_sequences():
-    clock, s = Clock(), GenerationScheduler(policy(max_running=1))
+    clock, s = Clock(), GenerationPolicy(policy(max_running=1))
     s.submit(ask("runs", deadline=0.05))
     s.submit(ask("waits", at=0.001, deadline=0.03))
     plan, _ = step(s, clock)
@@ -315,7 +315,7 @@ def test_deadlines_expire_waiting_and_running_sequences():
 
 def test_a_waiting_low_request_climbs_a_class_per_aging_period():
     for now, first in ((0.9, "normal"), (1.2, "low")):
-        s = GenerationScheduler(policy(max_running=1, priority_aging=1.0))
+        s = GenerationPolicy(policy(max_running=1, priority_aging=1.0))
         s.submit(ask("normal", at=0.5))
         s.submit(ask("low", at=0.0, priority=Priority.LOW))
         # at 1.2 low has waited a whole period: it counts as normal, and it came first
@@ -323,7 +323,7 @@ def test_a_waiting_low_request_climbs_a_class_per_aging_period():
 
 
 def test_a_sequence_cancelled_while_its_step_runs_is_ignored_when_the_step_settles():
-    clock, s = Clock(), GenerationScheduler(policy())
+    clock, s = Clock(), GenerationPolicy(policy())
     s.submit(ask("gone"))
     s.submit(ask("stays"))
     plan = s.schedule(clock.tick())
@@ -386,7 +386,7 @@ def test_a_stream_hands_out_text_pieces_that_join_to_the_whole_text():
 def test_the_generation_settings_name_a_misspelt_key_and_check_the_policy_at_load():
     from tsbatch.handlers.generation_api import GenerationConfig
 
-    assert GenerationConfig.from_section({"kv_bound": 4096}).policy().kv_bound == 4096
+    assert GenerationConfig.from_section({"kv_bound": 4096}).settings().kv_bound == 4096
     with pytest.raises(ConfigError, match="did you mean max_new_tokens"):
         GenerationConfig.from_section({"max_new_token": 8})
     with pytest.raises(ConfigError, match="default_new_tokens .64. must be at most max_new_tokens .32."):
@@ -401,7 +401,7 @@ def test_on_a_device_the_kv_bound_is_what_a_share_of_its_free_memory_holds_or_th
     assert kv_bound_for(free_bytes=10_000, bytes_per_token=512, share=0.8) == 15
     assert kv_bound_for(free_bytes=100, bytes_per_token=512, share=0.8) == 1
     config = GenerationConfig.from_section({"kv_bound": 100, "kv_memory_share": 0.5})
-    assert config.policy(kv_bound=40).kv_bound == 40 and config.policy(kv_bound=4000).kv_bound == 100
-    assert config.policy().kv_bound == 100
+    assert config.settings(kv_bound=40).kv_bound == 40 and config.settings(kv_bound=4000).kv_bound == 100
+    assert config.settings().kv_bound == 100
     with pytest.raises(ConfigError, match="kv_memory_share must be a fraction above 0 and at most 1, got 1.5"):
         GenerationConfig.from_section({"kv_memory_share": 1.5})
