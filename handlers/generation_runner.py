@@ -7,6 +7,7 @@ scheduler loop and fails every request of a batch on one error; ours plans and i
 """
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import dataclass
 from typing import Sequence
@@ -72,6 +73,9 @@ class GenerationRunner:
             raise ConfigError(f"generation serves models whose KV cache is plain full attention; {model_dir} has "
                               f"{sorted(kinds)} layers (sliding windows or recurrent state are not supported yet)")
         self._cache_class = DynamicCache
+        # transformers 5 names the KV cache `cache` (argument and output); 4.x `past_key_values`
+        forward = inspect.signature(self.lm.forward).parameters
+        self._cache_name = "cache" if "cache" in forward else "past_key_values"
         eos = self.lm.generation_config.eos_token_id
         self.eos_ids = frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])
         config = self.lm.config.get_text_config(decoder=True)
@@ -145,7 +149,8 @@ class GenerationRunner:
     def _forward(self, ids, mask, positions, cache):
         try:
             return self.lm(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                           position_ids=positions.to(self.device), cache=cache, use_cache=True, logits_to_keep=1)
+                           position_ids=positions.to(self.device), use_cache=True, logits_to_keep=1,
+                           **{self._cache_name: cache})
         except Exception as error:
             if not is_out_of_memory(error):
                 raise
@@ -157,7 +162,7 @@ class GenerationRunner:
         logits = out.logits[:, -1].float()
         bad = torch.isnan(logits).any(dim=-1).tolist()
         tokens = logits.argmax(dim=-1).tolist()
-        layers = tuple((keys, values) for keys, values, *_ in out.cache)
+        layers = tuple((keys, values) for keys, values, *_ in out[self._cache_name])
         batch = _Batch(layers, len(padding))
         return [RowResult(None if bad[row] else tokens[row],
                           SequenceCache(tuple((k[row:row + 1, :, pad:], v[row:row + 1, :, pad:]) for k, v in layers),
