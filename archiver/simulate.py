@@ -32,7 +32,7 @@ from tsbatch.handlers.config import HandlerConfig
 from tsbatch.handlers.cost import CostModel
 from tsbatch.handlers.errors import Overloaded
 from tsbatch.handlers.modes.continuous_mode import reply_pace
-from tsbatch.handlers.policy import Plan, Policy, PolicySettings, Ticket, split_lanes, within_budget
+from tsbatch.handlers.policy import Plan, Policy, PolicySettings, Ticket, fits_call, split_lanes
 from tsbatch.warmup.profile import percentile
 
 WORKLOADS_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "workloads.json")
@@ -264,9 +264,7 @@ class TsbatchWorker:
         threads = arm.threads or cfg.torch_threads or max(1, sim.cores // arm.workers)
         lanes = split_lanes(self.edges, cfg.long_lane_from)
         self.lane_threads = max(1, threads // len(lanes))
-        settings = PolicySettings(edges=self.edges, max_wait=cfg.max_wait_ms / 1000, queue_cap=cfg.queue_cap,
-                                  age_bound=cfg.age_bound_ms / 1000, priority_aging=cfg.priority_aging_ms / 1000)
-        self.policy = Policy(settings, cfg.batch_limit, times.cost_for(self.lane_threads), lanes,
+        self.policy = Policy(PolicySettings.of(cfg, self.edges), cfg.batch_limit, times.cost_for(self.lane_threads), lanes,
                              [self.lane_threads] * len(lanes))
         self.alone = alone
         self.held: dict[int, Ticket] = {}  # request index -> its ticket while in this worker
@@ -310,14 +308,8 @@ class TsbatchWorker:
         self._maybe_return()
 
     def _fit_call(self, requests: list[int]) -> list[int]:
-        lanes = self.policy.lanes
-        lane_of = {b: i for i, s in enumerate(lanes) for b in s.buckets}
-        costs = []
-        for index in requests:
-            bucket = bucket_for(min(self.fleet.outcomes[index].tokens, self.max_length), self.edges)
-            cap = self.arm.config.batch_limit(bucket)
-            costs.append((lane_of[bucket], self.policy.cost.p90(bucket=bucket, size=cap) / cap))
-        fits = within_budget(costs, [self.arm.config.max_call_ms / 1000] * len(lanes))
+        buckets = [bucket_for(min(self.fleet.outcomes[i].tokens, self.max_length), self.edges) for i in requests]
+        fits = fits_call(buckets, self.policy, self.arm.config.max_call_ms / 1000)
         for index, ok in zip(requests, fits):
             if not ok:
                 self.fleet.answer(index, 503, self.sim.now)

@@ -83,6 +83,12 @@ class PolicySettings:
     age_bound: float  # seconds after which a bucket's oldest request jumps the shortest-first order
     priority_aging: float  # seconds of waiting that raise a request by one priority class
 
+    @classmethod
+    def of(cls, config, edges: Sequence[Bucket]) -> "PolicySettings":
+        """From the handler configuration (handlers/config.HandlerConfig: its keys in ms)."""
+        return cls(edges=tuple(edges), max_wait=config.max_wait_ms / 1000, queue_cap=config.queue_cap,
+                   age_bound=config.age_bound_ms / 1000, priority_aging=config.priority_aging_ms / 1000)
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -477,6 +483,14 @@ def merge_edge(own: tuple[Bucket, int], after: Sequence[tuple[Bucket, int]], cap
         if merged < end and saving > best_saving:
             best, best_saving = (edge, batch), saving
     return best
+
+
+def fits_call(buckets: Sequence[Bucket], policy: Policy, budget: float) -> list[bool]:
+    """For each text of a call in order (its bucket), whether it fits in `budget` seconds of its
+    lane's work: its share of a slow pass of its bucket at cap."""
+    costs = [(policy.owner.get(b, 0), policy.cost.p90(bucket=b, size=policy.cap_for(b)) / policy.cap_for(b))
+             for b in buckets]
+    return within_budget(costs, [budget] * len(policy.lanes))
 
 
 def within_budget(costs: Sequence[tuple[int, float]], budgets: Sequence[float]) -> list[bool]:

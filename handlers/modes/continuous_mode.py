@@ -20,7 +20,7 @@ from tsbatch.handlers.buckets import Item
 from tsbatch.handlers.errors import Overloaded
 from tsbatch.handlers.lanes import missed_deadline
 from tsbatch.handlers.modes.scheduled import ScheduledMode
-from tsbatch.handlers.policy import within_budget
+from tsbatch.handlers.policy import fits_call
 from tsbatch.handlers.reply import Answer, Reply
 from tsbatch.handlers.stages import Call, answer, by_request, prepare
 
@@ -146,12 +146,8 @@ class ContinuousMode(ScheduledMode):
         answered whole, and while every worker is inside a call new requests wait in TorchServe's
         queue, where the handler cannot see or shed them: short calls keep that wait short."""
         w = self.worker
-        lanes = self.engine.buckets
-        lane_of = {bucket: i for i, lane in enumerate(lanes) for bucket in lane}
-        costs = [(lane_of[item.bucket], w.cost.p90(bucket=item.bucket, size=w.cap_for(item.bucket)) / w.cap_for(item.bucket))
-                 for item in items]
-        budgets = [w.config.max_call_ms / 1000] * len(lanes)
-        shed = {item.index for item, fits in zip(items, within_budget(costs, budgets)) if not fits}
+        fits = fits_call([item.bucket for item in items], self.engine.policy, w.config.max_call_ms / 1000)
+        shed = {item.index for item, ok in zip(items, fits) if not ok}
         for index in sorted(shed):  # a request of several texts is taken in whole or not at all
             w.metrics.rejected("call_full")
             call.fail(index, Overloaded(

@@ -20,12 +20,8 @@ logger = logging.getLogger(__name__)
 
 def policy_for(worker, lanes: list[tuple[tuple, int]]) -> Policy:
     """The worker's Policy: its configuration, its caps, its cost model and its lanes."""
-    cfg = worker.config
-    settings = PolicySettings(
-        edges=worker.edges, max_wait=cfg.max_wait_ms / 1000, queue_cap=cfg.queue_cap,
-        age_bound=cfg.age_bound_ms / 1000, priority_aging=cfg.priority_aging_ms / 1000,
-    )
-    return Policy(settings, worker.cap_for, worker.cost, [lane for lane, _ in lanes], [t for _, t in lanes])
+    return Policy(PolicySettings.of(worker.config, worker.edges), worker.cap_for, worker.cost,
+                  [lane for lane, _ in lanes], [t for _, t in lanes])
 
 
 class ScheduledMode:
