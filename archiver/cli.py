@@ -13,9 +13,9 @@ from tsbatch.archiver.measure import ProfileError
 from tsbatch.archiver.package import ArchiveError
 from tsbatch.archiver.tune import DEFAULT_TARGET_MS, TuneError
 from tsbatch.archiver.tune_sim import DEFAULT_WORKLOAD, profile_threads
-from tsbatch.handlers.buckets import bucket_label
-from tsbatch.handlers.config import HandlerConfig, Task
-from tsbatch.handlers.errors import ConfigError
+from tsbatch.handlers.core.buckets import bucket_label
+from tsbatch.handlers.core.errors import ConfigError
+from tsbatch.handlers.edge.config import HandlerConfig, Task
 from tsbatch.warmup.profile import PROFILE_FILE
 
 
@@ -270,7 +270,7 @@ def _stop_parser(sub) -> None:
 def _config_docs_parser(sub) -> None:
     sub.add_parser("config-docs", help="print docs/configuration.md: every model-config.yaml key, from the config classes",
                    description="Write the configuration reference (every key of model-config.yaml tsbatch reads or "
-                   "writes: type, default, modes, meaning) from handlers/config.py to stdout: "
+                   "writes: type, default, modes, meaning) from handlers/edge/config.py to stdout: "
                    "python -m tsbatch.archiver config-docs > docs/configuration.md")
 
 

@@ -7,7 +7,7 @@ What this follows, and where it comes from:
   and `model-store/NAME.mar`; TorchServe's inference and management APIs on port 8085, metrics on
   8082; the runtime sets the KServe request envelope through an environment variable
   (TS_SERVICE_ENVELOPE), which TorchServe reads only with `enable_envvars_config=true`: tsbatch
-  turns it off and reads KServe's v1 and v2 request shapes itself (handlers/envelopes.py), because
+  turns it off and reads KServe's v1 and v2 request shapes itself (handlers/edge/envelopes.py), because
   TorchServe's envelopes answer only the first request of a frontend batch; `model_snapshot` names
   the model and its workers and batching.
 - KServe's runtime (kserve/kserve config/runtimes/kserve-torchserve.yaml) runs `torchserve --start

@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping
 from tsbatch.warmup.profile import LatencyProfile
 
 # The loggers whose records carry warmup's progress (a `tsbatch_warmup` dict attribute).
-PROGRESS_LOGGERS = ("tsbatch.warmup.run", "tsbatch.handlers.warming")
+PROGRESS_LOGGERS = ("tsbatch.warmup.run", "tsbatch.handlers.runtime.warming")
 ERROR_CHARS = 600  # transformers' load errors can be pages long: the start says what broke
 
 
@@ -30,7 +30,7 @@ class ProfileError(Exception):
 def available_cores() -> int:
     """Cores this process may use: CPU affinity (what a worker fits its threads to), then a
     cgroup v2 CPU quota (containers)."""
-    from tsbatch.handlers.siblings import usable_cores
+    from tsbatch.handlers.edge.siblings import usable_cores
 
     cores = usable_cores()
     try:
@@ -60,7 +60,7 @@ def make_context(archive_dir: str, name: str, model_yaml_config: Mapping[str, An
 
 
 def progress_line(event: Mapping[str, Any]) -> str:
-    """One line of `tsbatch profile` output for a warmup event (warmup/run.py, handlers/warming.py)."""
+    """One line of `tsbatch profile` output for a warmup event (warmup/run.py, handlers/runtime/warming.py)."""
     kind = event.get("event")
     if kind == "shape":
         return (f"warmup shape {event['number']} of {event['of']}: batch {event['batch']} x {event['bucket']} "
@@ -142,13 +142,13 @@ def handler_class(handler_file: str | None):
     """The handler TorchServe would instantiate: the one class a team's handler file defines (a
     TsbatchHandler subclass), or tsbatch's EncoderHandler."""
     if handler_file is None:
-        from tsbatch.handlers.encoder_handler import EncoderHandler
+        from tsbatch.handlers.models.encoder_handler import EncoderHandler
 
         return EncoderHandler
     import importlib.util
     import inspect
 
-    from tsbatch.handlers.tsbatch_handler import TsbatchHandler
+    from tsbatch.handlers.edge.tsbatch_handler import TsbatchHandler
 
     module_name = os.path.splitext(os.path.basename(handler_file))[0]
     spec = importlib.util.spec_from_file_location(module_name, handler_file)
@@ -160,7 +160,7 @@ def handler_class(handler_file: str | None):
     defined = [c for _, c in inspect.getmembers(module, inspect.isclass) if c.__module__ == module_name]
     if len(defined) != 1 or not issubclass(defined[0], TsbatchHandler):
         raise ProfileError(f"{handler_file} must define exactly one class, a subclass of "
-                           f"tsbatch.handlers.tsbatch_handler.TsbatchHandler (TorchServe instantiates the one class it "
+                           f"tsbatch.handlers.edge.tsbatch_handler.TsbatchHandler (TorchServe instantiates the one class it "
                            f"finds); found {[c.__name__ for c in defined]}")
     return defined[0]
 

@@ -20,8 +20,8 @@ import yaml
 from tsbatch.archiver.properties import dump_model_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout, or site-packages/tsbatch
-PACKAGES = ("handlers", "warmup")  # what runs inside a worker, shipped as tsbatch.handlers, tsbatch.warmup
-ENTRY = os.path.join("handlers", "encoder_handler.py")
+PACKAGES = ("handlers", "warmup")  # what runs inside a worker, shipped whole (subpackages too) as tsbatch.*
+ENTRY = os.path.join("handlers", "models", "encoder_handler.py")
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "tokenizer.model", "spiece.model", "vocab.json")
 
 

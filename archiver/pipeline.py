@@ -24,8 +24,8 @@ from tsbatch.archiver.properties import (
 )
 from tsbatch.archiver.tune import Machine, TuneError, Tuning, frontend_keys, plan_workers, tune
 from tsbatch.archiver.tune_sim import search
-from tsbatch.handlers.config import FrontendConfig, HandlerConfig
-from tsbatch.handlers.errors import ConfigError
+from tsbatch.handlers.core.errors import ConfigError
+from tsbatch.handlers.edge.config import FrontendConfig, HandlerConfig
 from tsbatch.warmup.profile import PROFILE_FILE, LatencyProfile
 
 Progress = Callable[[str], None]
@@ -240,7 +240,7 @@ def export_kserve(request: Request, out: str, storage_uri: str | None = None, pr
     storage_uri = kserve.check_storage_uri(storage_uri or f"pvc://tsbatch-models/{kserve.k8s_name(request.name)}")
     store = os.path.dirname(paths.mar)
     kserve.check_store(paths)  # before spending a build on it
-    # tsbatch reads KServe's request shapes itself (handlers/envelopes.py), so the pod batches as
+    # tsbatch reads KServe's request shapes itself (handlers/edge/envelopes.py), so the pod batches as
     # the shipped archive does: continuous mode, tsbatch's scheduler
     mode = frontend_keys("continuous")
     if no_tune:

@@ -2,13 +2,13 @@
 
 `tsbatch tune` asks it which configuration to ship and `tsbatch simulate` answers "what would this
 archive do under that traffic" in seconds. A tsbatch arm runs the very Policy the lane threads run
-(handlers/policy.py), with pass times drawn from the latency profile with its spread (lognormal
+(handlers/core/policy.py), with pass times drawn from the latency profile with its spread (lognormal
 through the shape's median and p90), on cores shared by processor sharing: every running pass's
 threads and the per-request work outside passes (TorchServe's frontend, its protocol, parsing and
 JSON) divide the machine's cores, and passes slow down when they outnumber them. The continuous
 mode's call cycle is modelled as TorchServe drives it: a worker holding requests takes new ones in
 only when its call returns (a request done, or its `poll_ms` hold, replies paced as
-handlers/modes/continuous_mode.reply_pace says); a worker with siblings answers each call whole and
+handlers/edge/modes/continuous_mode.reply_pace says); a worker with siblings answers each call whole and
 the frontend queues what arrives while every worker is inside a call. First-come arms model
 TorchServe's own batching (batchSize, maxBatchDelay, a batch padded to its longest input or to
 max_length), the controls of `make bench`.
@@ -27,12 +27,12 @@ import random
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from tsbatch.handlers.buckets import Item, bucket_for, bucket_tokens
-from tsbatch.handlers.config import HandlerConfig
-from tsbatch.handlers.cost import CostModel
-from tsbatch.handlers.errors import Overloaded
-from tsbatch.handlers.modes.continuous_mode import reply_pace
-from tsbatch.handlers.policy import Plan, Policy, PolicySettings, Ticket, fits_call, split_lanes
+from tsbatch.handlers.core.buckets import Item, bucket_for, bucket_tokens
+from tsbatch.handlers.edge.config import HandlerConfig
+from tsbatch.handlers.core.cost import CostModel
+from tsbatch.handlers.core.errors import Overloaded
+from tsbatch.handlers.edge.modes.continuous_mode import reply_pace
+from tsbatch.handlers.core.policy import Plan, Policy, PolicySettings, Ticket, fits_call, split_lanes
 from tsbatch.warmup.profile import percentile
 
 WORKLOADS_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "workloads.json")

@@ -7,7 +7,7 @@ batching mode. The reasons end up as comments next to each value in model-config
 config.properties, so an operator can see why a number is what it is.
 
 The predicted p99 of a request in bucket b (the scheduler modes, continuous or async, with the
-lanes of handlers/policy.split_lanes):
+lanes of handlers/core/policy.split_lanes):
 
     max_wait_ms + max(p90(cap(b'), b') for b' in lane(b)) + p90(cap(b), b)
 
@@ -29,10 +29,10 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping
 
-from tsbatch.handlers.buckets import bucket_label, bucket_order, config_key, edges_per_size, holds, longest
-from tsbatch.handlers.config import HandlerConfig
-from tsbatch.handlers.errors import ConfigError
-from tsbatch.handlers.policy import split_lanes
+from tsbatch.handlers.core.buckets import bucket_label, bucket_order, config_key, edges_per_size, holds, longest
+from tsbatch.handlers.core.errors import ConfigError
+from tsbatch.handlers.core.policy import split_lanes
+from tsbatch.handlers.edge.config import HandlerConfig
 from tsbatch.warmup.profile import LatencyProfile, ShapeTiming
 
 DEFAULT_TARGET_MS = 500.0

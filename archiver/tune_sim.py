@@ -19,8 +19,8 @@ from typing import Any, Mapping
 
 from tsbatch.archiver.simulate import Arm, Overheads, at_rate, capacity, workload_tokens
 from tsbatch.archiver.tune import Choice, TuneError, Tuning
-from tsbatch.handlers.buckets import longest
-from tsbatch.handlers.config import HandlerConfig
+from tsbatch.handlers.core.buckets import longest
+from tsbatch.handlers.edge.config import HandlerConfig
 
 DEFAULT_WORKLOAD = "search"  # queries and passages: the traffic most encoder deployments see
 DURATION_S = 15.0  # simulated seconds per rate

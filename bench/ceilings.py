@@ -3,7 +3,7 @@ machine with no HTTP and no TorchServe, the worker's torch threads (or every cor
 back, on the same texts: sorted by length and batched under a 4,096-token padded budget (the best
 this model does here), and at the served archive's own shapes (its bucket edges and batch caps,
 plan_batches): the honest ceiling for what the archive may form. The worker runs the model traced
-(handlers/runner.py); the sorted ceiling can also be taken eager, as an outside in-process
+(handlers/models/encoder.py); the sorted ceiling can also be taken eager, as an outside in-process
 measurement of the model would run it.
 """
 from __future__ import annotations
@@ -19,9 +19,9 @@ THREADS = len(os.sched_getaffinity(0))  # torch threads of the ceilings unless t
 def ceilings(model_dir: str, section: dict, texts: list[str], seconds: float, eager: bool = False) -> dict:
     """Requests/s and real tokens/s of the model alone, at two sets of shapes (see the module doc);
     `eager`: the sorted ones also as an outside in-process measurement of the model would run it."""
-    from tsbatch.handlers.buckets import Batch, Item, bucket_for, plan_batches
-    from tsbatch.handlers.config import HandlerConfig
-    from tsbatch.handlers.runner import EncoderModel
+    from tsbatch.handlers.core.buckets import Batch, Item, bucket_for, plan_batches
+    from tsbatch.handlers.edge.config import HandlerConfig
+    from tsbatch.handlers.models.encoder import EncoderModel
 
     config = HandlerConfig.from_yaml({**section, "torch_threads": section.get("torch_threads") or THREADS})
     runner = EncoderModel(config, model_dir)
@@ -40,7 +40,7 @@ def ceilings(model_dir: str, section: dict, texts: list[str], seconds: float, ea
     shapes = {"sorted": (f"sorted by length, up to {BUDGET} padded tokens a pass", runner, sorted_batches),
               "served": ("the archive's bucket edges and batch caps (plan_batches)", runner,
                          plan_batches(items, config.batch_limit))}
-    if eager and runner.traced is not None:  # the trace the worker runs (runner.py), and the model without it
+    if eager and runner.traced is not None:  # the trace the worker runs (handlers/models/encoder.py), and the model without it
         shapes["sorted_eager"] = ("sorted as above, the model eager (no trace)",
                                   EncoderModel(replace(config, trace=False), model_dir), sorted_batches)
     out = {}

@@ -49,7 +49,7 @@ class Setup:
 
 def load(setup: Setup, name: str, frontend: dict | None = None, **handler):
     """An EncoderHandler initialized in its own archive directory (caps and profile apart)."""
-    from tsbatch.handlers.encoder_handler import EncoderHandler
+    from tsbatch.handlers.models.encoder_handler import EncoderHandler
     from tests.support import make_context
 
     root = os.path.join(setup.work, name)
@@ -86,7 +86,7 @@ def timed_ms(run, runs: int) -> list[float]:
 
 def step_warmup(setup: Setup) -> dict:
     """(a) and graphs on/off: first pass after READY vs steady state per shape; short p50; served peak."""
-    from tsbatch.handlers.warming import example_batch
+    from tsbatch.handlers.runtime.warming import example_batch
     from tsbatch.warmup.plan import plan_shapes
 
     arms = {}
@@ -109,14 +109,14 @@ def step_warmup(setup: Setup) -> dict:
         handler.close()
         del handler, model
     on = arms["graphs on"]["graphs"]
-    # on the GPU every warmed shape has a graph; on the CPU graphs are off (runner.py says so in the log)
+    # on the GPU every warmed shape has a graph; on the CPU graphs are off (handlers/models/encoder.py says so in the log)
     ok = (on is None) if setup.device == "cpu" else (on is not None and on["captured"] == len(arms["graphs on"]["shapes"]))
     return {"ok": ok, "arms": arms}
 
 
 def step_oom(setup: Setup) -> dict:
     """(b) a budget the long shapes do not fit: caps learned at warmup, kept, every request answered."""
-    from tsbatch.handlers.memory import OOM_CAPS_FILE
+    from tsbatch.handlers.runtime.memory import OOM_CAPS_FILE
 
     if setup.device == "cuda":
         budget = _budget_between_short_and_long(setup)
@@ -144,7 +144,7 @@ def step_oom(setup: Setup) -> dict:
 
 def step_nvml(setup: Setup) -> dict:
     """(c) the handler's NVML sampler on this GPU: memory used and total, utilization."""
-    from tsbatch.handlers.metrics import nvml_sampler
+    from tsbatch.handlers.edge.metrics import nvml_sampler
 
     sampler = nvml_sampler([0])
     if sampler is None:
@@ -251,9 +251,9 @@ def _budget_between_short_and_long(setup: Setup) -> int:
     bucket's: measured on a probe of the same model, freed before the handler loads."""
     import torch
 
-    from tsbatch.handlers.config import HandlerConfig
-    from tsbatch.handlers.runner import EncoderModel
-    from tsbatch.handlers.warming import example_batch
+    from tsbatch.handlers.edge.config import HandlerConfig
+    from tsbatch.handlers.models.encoder import EncoderModel
+    from tsbatch.handlers.runtime.warming import example_batch
 
     config = HandlerConfig.from_yaml({**setup.section, "trace": False})
     probe = EncoderModel(config, setup.model_dir)

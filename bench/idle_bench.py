@@ -34,7 +34,7 @@ def slowdown(rows: list[dict]) -> list[dict]:
 
 def measure(runner, bucket: int, threads: int, pause_ms: float, samples: int) -> dict:
     runner.use_threads(threads)
-    from tsbatch.handlers.warming import example_batch
+    from tsbatch.handlers.runtime.warming import example_batch
 
     batch = example_batch(runner, 1, bucket)
     for _ in range(3):
@@ -59,8 +59,8 @@ def main() -> None:
 
     import torch
 
-    from tsbatch.handlers.config import HandlerConfig
-    from tsbatch.handlers.runner import EncoderModel
+    from tsbatch.handlers.edge.config import HandlerConfig
+    from tsbatch.handlers.models.encoder import EncoderModel
 
     model_dir = args.model_dir
     if model_dir is None:

@@ -98,7 +98,7 @@ def build_arms(root: str, model_dir: str, arms: list[str], before: str | None = 
             extra = {"control_pad_max.py": os.path.join(REPO, "bench/controls/control_pad_max.py")}
         section = {"task": "embedding", **spec.get("section", {})}
         build_archive(ArchiveSpec(model_dir, f"arm_{arm}", model_config(section, spec["frontend"]), store,
-                                  extra_files=extra, handler=spec.get("handler", "handlers/encoder_handler.py")))
+                                  extra_files=extra, handler=spec.get("handler", "handlers/models/encoder_handler.py")))
     return store
 
 
@@ -107,7 +107,7 @@ def build_before(python: str, store: str, model_dir: str) -> None:
     code = ("import json, sys; from tsbatch.archiver.package import ArchiveSpec, build_archive; "
             "from tsbatch.archiver.properties import model_config; a = json.loads(sys.argv[1]); "
             "build_archive(ArchiveSpec(a['model_dir'], a['name'], model_config(a['section'], a['frontend']), "
-            "a['store'], handler='handlers/encoder_handler.py'))")
+            "a['store'], handler='handlers/models/encoder_handler.py'))")
     spec = {"model_dir": model_dir, "name": f"arm_{BEFORE}", "section": {"task": "embedding"},
             "frontend": ARMS["d"]["frontend"], "store": store}
     subprocess.run([python, "-c", code, json.dumps(spec)], check=True, stdout=subprocess.DEVNULL,

@@ -45,11 +45,11 @@ from bench.loadtest.workload import Mix, make_requests  # noqa: E402
 NAME = "minilm"
 # what a worker thread's sample is doing, from its innermost frame ("path:function") that names it
 CATEGORIES = (
-    ("forward pass", ("torch/nn/", "modeling_bert", "runner.py:forward", "runner.py:_embeddings")),
-    ("collate", ("runner.py:_collate",)),
-    ("tokenize", ("tokenization_utils", "tokenizers", "runner.py:tokenize", "runner.py:_encode")),
+    ("forward pass", ("torch/nn/", "modeling_bert", "models/encoder.py:forward", "models/encoder.py:_embeddings")),
+    ("collate", ("models/encoder.py:_collate",)),
+    ("tokenize", ("tokenization_utils", "tokenizers", "models/encoder.py:tokenize", "models/encoder.py:_encode")),
     ("response encoding (JSON)", ("json/",)),
-    ("metrics", ("ts/metrics/", "handlers/metrics.py")),
+    ("metrics", ("ts/metrics/", "handlers/edge/metrics.py")),
     ("TorchServe protocol: reading calls (recv per field, parsing)", ("socket.py:recv", "otf_message_handler.py:retrieve_msg",
                                                                     "otf_message_handler.py:_retrieve")),
     ("TorchServe protocol (reply, socket write)", ("otf_message_handler.py", "socket.py", "model_service_worker.py")),

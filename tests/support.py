@@ -58,7 +58,7 @@ def load_handler(model_dir: str, frontend: dict | None = None, archive_dir: str 
     """An EncoderHandler initialized on a TorchServe-shaped context; warmup off unless asked
     (warmup has its own tests and would slow the rest). `archive_dir` plays TorchServe's extracted
     archive, which every worker of one model shares: a fresh one per handler unless given."""
-    from tsbatch.handlers.encoder_handler import EncoderHandler
+    from tsbatch.handlers.models.encoder_handler import EncoderHandler
 
     handler = {"task": "embedding", "model_dir": model_dir, "warmup": False, **handler}
     context = make_context(archive_dir or tempfile.mkdtemp(prefix="tsbatch-archive-"), handler, frontend=frontend)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence, Union
 
-Bucket = Union[int, tuple[int, ...]]  # an edge, or one edge per size (handlers/buckets.py)
+Bucket = Union[int, tuple[int, ...]]  # an edge, or one edge per size (handlers/core/buckets.py)
 
 
 def bucket_tokens(bucket: Bucket) -> int:

@@ -12,7 +12,7 @@ from tsbatch.archiver import server
 from bench.loadtest.load import Load
 from bench.loadtest.stats import by_status
 from bench.loadtest.torchserve import read_text, wait_busy, wait_until, warmups
-from tsbatch.handlers.stages import WORKER_HEADER
+from tsbatch.handlers.edge.stages import WORKER_HEADER
 
 CRASH_LOOP = "Received more than 1 control command"
 

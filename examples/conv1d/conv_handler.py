@@ -6,7 +6,7 @@ TorchServe instantiates the one class this file defines.
 """
 from __future__ import annotations
 
-from tsbatch.handlers.tsbatch_handler import TsbatchHandler
+from tsbatch.handlers.edge.tsbatch_handler import TsbatchHandler
 
 
 class ConvHandler(TsbatchHandler):

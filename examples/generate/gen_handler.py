@@ -7,8 +7,8 @@ reaches load_model as `config.model`; tsbatch's `handler:` keys stay tsbatch's.
 """
 from __future__ import annotations
 
-from tsbatch.handlers.errors import ConfigError
-from tsbatch.handlers.tsbatch_handler import TsbatchHandler
+from tsbatch.handlers.core.errors import ConfigError
+from tsbatch.handlers.edge.tsbatch_handler import TsbatchHandler
 
 LIMITS = {"max_prompt_tokens": 128, "max_new_tokens": 256}  # the model: keys this model reads, with defaults
 

@@ -5,7 +5,7 @@ import pytest
 import requests
 
 from tsbatch.archiver import server
-from tsbatch.handlers.stages import BATCH_SIZE_HEADER
+from tsbatch.handlers.edge.stages import BATCH_SIZE_HEADER
 from tests.e2e.client import GrpcInference, post, post_together
 from tests.e2e.conftest import NAME, serve_built
 from tests.support import cosine

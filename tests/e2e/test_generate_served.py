@@ -14,7 +14,7 @@ import yaml
 
 from bench.loadtest.load import Load
 from tests.e2e.conftest import REPO, serve_example
-from tsbatch.handlers.stages import PADDED_HEADER
+from tsbatch.handlers.edge.stages import PADDED_HEADER
 
 EXAMPLE = os.path.join(REPO, "examples", "generate")
 NAME = "gen"

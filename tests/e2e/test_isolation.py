@@ -1,7 +1,7 @@
 """Per-request fallback through a real torchserve: a failing batch costs only its failing requests."""
 from __future__ import annotations
 
-from tsbatch.handlers.stages import BATCH_SIZE_HEADER
+from tsbatch.handlers.edge.stages import BATCH_SIZE_HEADER
 from tests.e2e.client import post, post_together
 from tests.support import cosine
 

@@ -16,7 +16,7 @@ import requests
 import yaml
 
 from bench.loadtest.load import Load
-from tsbatch.handlers.stages import PADDED_HEADER
+from tsbatch.handlers.edge.stages import PADDED_HEADER
 from tests.e2e.conftest import REPO, serve_example
 
 EXAMPLE = os.path.join(REPO, "examples", "conv1d")
@@ -77,7 +77,7 @@ def test_requests_are_batched_by_length_and_a_poisoned_one_fails_alone(conv):
         assert all(abs(got["scores"][k] - want["scores"][k]) < 1e-5 for k in want["scores"])
     padded = {name: int(shots[name].headers[PADDED_HEADER]) for name in ("short", "mid", "long")}
     # the long one (its own lane) padded nobody; short and mid may share a pass padded to mid's
-    # bucket while the long lane is busy, where the profile says one pass pays (handlers/policy.py merge_edge)
+    # bucket while the long lane is busy, where the profile says one pass pays (handlers/core/policy.py merge_edge)
     assert padded["short"] <= padded["mid"] < padded["long"] <= 128
 
 

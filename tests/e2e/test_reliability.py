@@ -29,7 +29,7 @@ from bench.loadtest.load import Load, burst, open_loop
 from bench.loadtest.proc import MemorySampler
 from bench.loadtest.stats import by_status, percentile
 from bench.loadtest.torchserve import reap_workers, restore_workers, wait_busy, wait_until, warmups, worker_pids
-from tsbatch.handlers.stages import WORKER_HEADER
+from tsbatch.handlers.edge.stages import WORKER_HEADER
 from tests.e2e.conftest import ASYNC_FRONTEND, CONTINUOUS_FRONTEND, TEST_FRONTEND
 
 DEADLINE_MS = 1500

@@ -15,7 +15,7 @@ import subprocess
 import pytest
 
 from tsbatch.archiver import server
-from tsbatch.handlers.stages import PADDED_HEADER
+from tsbatch.handlers.edge.stages import PADDED_HEADER
 from tests.e2e.client import GrpcInference, post, post_together
 from tests.e2e.conftest import NAME, tsbatch
 from tests.support import cosine

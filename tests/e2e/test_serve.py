@@ -11,7 +11,7 @@ import pytest
 import requests
 
 from tsbatch.archiver import server
-from tsbatch.handlers.stages import BATCH_SIZE_HEADER, WORKER_HEADER
+from tsbatch.handlers.edge.stages import BATCH_SIZE_HEADER, WORKER_HEADER
 from tests.e2e.client import post, post_together
 from tests.support import cosine
 

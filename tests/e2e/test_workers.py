@@ -24,7 +24,7 @@ from tsbatch.archiver import server
 from bench.loadtest.load import Load
 from bench.loadtest.stats import by_status
 from bench.loadtest.torchserve import wait_until, worker_pids
-from tsbatch.handlers.stages import WORKER_HEADER
+from tsbatch.handlers.edge.stages import WORKER_HEADER
 from tests.e2e.conftest import NAME, serve_built
 from tests.support import cosine
 

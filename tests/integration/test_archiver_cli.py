@@ -279,7 +279,7 @@ def test_export_kserve_with_a_handler_ships_that_handler_and_loads_it_from_the_e
     names, manifest, config, entry = exported(out)
     assert manifest["model"]["handler"] == "conv_handler.py"  # what TorchServe imports
     assert {"conv_handler.py", "conv_model.py", PROFILE_FILE, "model/model.safetensors", "model/config.json",
-            "tsbatch/handlers/tsbatch_handler.py"} <= names
+            "tsbatch/handlers/edge/tsbatch_handler.py"} <= names
     assert "encoder_handler.py" not in names  # the built-in encoder's entry is not what it ships
     shipped = json.loads(mar_member(str(out / "model-store" / "conv.mar"), PROFILE_FILE))
     assert shipped["environment"]["model"] == "ConvNet"  # it profiled what it ships

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from tsbatch.handlers.modes.continuous_mode import reply_pace
-from tsbatch.handlers.stages import BATCH_SIZE_HEADER
+from tsbatch.handlers.edge.modes.continuous_mode import reply_pace
+from tsbatch.handlers.edge.stages import BATCH_SIZE_HEADER
 from tests.support import ContinuousFrontend, call, cosine, load_handler
 
 pytestmark = pytest.mark.integration
@@ -107,7 +107,7 @@ def test_a_worker_holding_many_requests_paces_its_replies_by_how_many_the_next_c
 def test_the_reply_pace_never_holds_a_finished_answer_past_its_deadline(minilm_dir, monkeypatch):
     """With a pace of 10 s the second reply still comes by the finished requests' own deadline
     (2 s, less the margin kept for the way out), answered 200, not after the pace."""
-    from tsbatch.handlers.modes import continuous_mode
+    from tsbatch.handlers.edge.modes import continuous_mode
     monkeypatch.setattr(continuous_mode, "reply_pace", lambda held: 10.0)
     handler, context = load_handler(minilm_dir, frontend=CONTINUOUS, max_batch_size=2, max_wait_ms=1,
                                     deadline_ms=2000, deadline_margin_ms=50)

@@ -13,12 +13,12 @@ import sys
 import pytest
 import torch
 
-from tsbatch.handlers import runner
-from tsbatch.handlers.buckets import Batch, Item
-from tsbatch.handlers.config import Dtype, HandlerConfig, Task
-from tsbatch.handlers.encoder_handler import EncoderHandler
-from tsbatch.handlers.errors import ConfigError
-from tsbatch.handlers.warming import example_batch
+from tsbatch.handlers.core.buckets import Batch, Item
+from tsbatch.handlers.core.errors import ConfigError
+from tsbatch.handlers.edge.config import Dtype, HandlerConfig, Task
+from tsbatch.handlers.models import encoder
+from tsbatch.handlers.models.encoder_handler import EncoderHandler
+from tsbatch.handlers.runtime.warming import example_batch
 from tsbatch.warmup.profile import PROFILE_FILE
 from tests.support import call, cosine, load_handler, make_context
 
@@ -45,9 +45,9 @@ def float32_answers(minilm_dir):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_answers_stay_within_tolerance_of_float32(minilm_dir, float32_answers, dtype, caplog):
-    with caplog.at_level(logging.WARNING, logger=runner.logger.name):
+    with caplog.at_level(logging.WARNING, logger=encoder.logger.name):
         handler, context = load_handler(minilm_dir, dtype=dtype, **SMALL)
-    assert handler.model.model.dtype == runner.DTYPES[Dtype(dtype)]
+    assert handler.model.model.dtype == encoder.DTYPES[Dtype(dtype)]
     assert f"handler.dtype is {dtype} on the CPU" in caplog.text, "the CPU's slow half precision is not said"
     replies = call(handler, context, TEXTS)
     assert [r.status for r in replies] == [200] * len(TEXTS)
@@ -90,7 +90,7 @@ class FakeGraph:
 
 
 class FakeCapture:
-    """The CUDA calls of runner.CudaGraphCapture: each capture holds `bytes_per_graph` more; `fail`
+    """The CUDA calls of encoder.CudaGraphCapture: each capture holds `bytes_per_graph` more; `fail`
     (a shape's padded tokens -> exception) makes a capture raise."""
 
     def __init__(self, bytes_per_graph: int = 2**20, wrong: bool = False, fail=None, total: int = 2**34):
@@ -139,7 +139,7 @@ def graphed_handler(model_dir, archive_dir, capture: FakeCapture, **handler):
 
     class Graphed(EncoderHandler):
         def load_model(self, model_path, config, gpu_id):
-            return runner.EncoderModel(config, model_path, gpu_id, graph_capture=capture)
+            return encoder.EncoderModel(config, model_path, gpu_id, graph_capture=capture)
 
     section = {"task": "sequence_classification", "model_dir": model_dir, "cuda_graphs": True, "warmup_repeats": 1,
                "warmup_max_repeats": 1, **CLASSIFIER, **handler}
@@ -182,7 +182,7 @@ def test_a_shape_met_after_ready_without_a_graph_runs_eager(classifier, tmp_path
         assert result["label"] == eager_answers[0]["label"]
         assert result["scores"] == pytest.approx(eager_answers[0]["scores"], abs=1e-5)
     assert "shape 3x16 met after READY has no graph" in caplog.text
-    assert not model.graphs.book.has_graph(runner.Shape(3, 16))
+    assert not model.graphs.book.has_graph(encoder.Shape(3, 16))
     handler.close()
 
 
@@ -192,7 +192,7 @@ def test_a_graph_that_answers_otherwise_is_dropped_and_its_shape_runs_eager(clas
     with caplog.at_level(logging.WARNING):
         handler, context = graphed_handler(classifier, tmp_path, capture)
     book = handler.model.graphs.book
-    assert not book.captured and set(book.refused) == {runner.Shape(*s) for s in warmed_shapes(handler)}
+    assert not book.captured and set(book.refused) == {encoder.Shape(*s) for s in warmed_shapes(handler)}
     assert "runs eager: its replay answered differently from the eager pass" in caplog.text
     assert capture.released == 6, "a dropped graph's memory was not given back"
     replays = capture.replays
@@ -232,24 +232,24 @@ def test_a_forward_that_cannot_be_captured_turns_graphs_off_with_the_reason(clas
 def test_graphs_hold_at_most_their_share_of_the_memory_budget(classifier):
     # budget 8 MiB: graphs may hold 2 MiB; each fake graph holds 1 MiB
     config = HandlerConfig(task=Task.SEQUENCE_CLASSIFICATION, cuda_graphs=True, memory_budget=8 * 2**20)
-    model = runner.EncoderModel(config, classifier, graph_capture=FakeCapture(bytes_per_graph=2**20))
+    model = encoder.EncoderModel(config, classifier, graph_capture=FakeCapture(bytes_per_graph=2**20))
     assert model.graphs.book.limit_bytes == 2 * 2**20
     for size, bucket in ((1, 16), (2, 16), (1, 32), (2, 32)):
         model.forward(example_batch(model, size, bucket))
     assert graph_shapes(model.graphs.book) == {(1, 16), (2, 16)}
-    assert "graphs already hold 2.0 MiB of the 2.0 MiB" in model.graphs.book.refused[runner.Shape(1, 32)]
+    assert "graphs already hold 2.0 MiB of the 2.0 MiB" in model.graphs.book.refused[encoder.Shape(1, 32)]
 
 
 def test_cuda_graphs_on_the_cpu_are_off_with_one_log_line(classifier, caplog):
-    with caplog.at_level(logging.INFO, logger=runner.logger.name):
-        model = runner.EncoderModel(HandlerConfig(task=Task.SEQUENCE_CLASSIFICATION, cuda_graphs=True), classifier)
+    with caplog.at_level(logging.INFO, logger=encoder.logger.name):
+        model = encoder.EncoderModel(HandlerConfig(task=Task.SEQUENCE_CLASSIFICATION, cuda_graphs=True), classifier)
     assert model.graphs is None and model.describe()["cuda_graphs"] is False
     assert caplog.text.count("cuda_graphs is off on cpu: CUDA graphs need a CUDA device") == 1
 
 
 def test_cuda_graphs_and_compile_together_fail_at_load(classifier):
     with pytest.raises(ConfigError, match="cuda_graphs and handler.compile are both on"):
-        runner.EncoderModel(HandlerConfig(task=Task.SEQUENCE_CLASSIFICATION, cuda_graphs=True, compile=True), classifier)
+        encoder.EncoderModel(HandlerConfig(task=Task.SEQUENCE_CLASSIFICATION, cuda_graphs=True, compile=True), classifier)
 
 
 # -- make gpu-check, as CI can run it: the dry run on the CPU

@@ -15,11 +15,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tsbatch.handlers.config import HandlerConfig
-from tsbatch.handlers.encoder_handler import EncoderHandler
-from tsbatch.handlers.stages import BATCH_SIZE_HEADER, WORKER_HEADER
-from tsbatch.handlers.errors import ConfigError, ServingError
-from tsbatch.handlers.parse import many, parse_text, row_value
+from tsbatch.handlers.core.errors import ConfigError, ServingError
+from tsbatch.handlers.edge.config import HandlerConfig
+from tsbatch.handlers.edge.parse import many, parse_text, row_value
+from tsbatch.handlers.edge.stages import BATCH_SIZE_HEADER, WORKER_HEADER
+from tsbatch.handlers.models.encoder_handler import EncoderHandler
 from tests.support import make_context
 
 FUZZ = settings(max_examples=50, deadline=None,

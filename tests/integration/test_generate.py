@@ -11,7 +11,7 @@ import pytest
 
 from tsbatch.archiver.measure import handler_class
 from tsbatch.archiver.pipeline import profile_here
-from tsbatch.handlers.stages import PADDED_HEADER
+from tsbatch.handlers.edge.stages import PADDED_HEADER
 from tests.support import ContinuousFrontend, call, example_maker, make_context
 
 pytestmark = pytest.mark.integration
@@ -139,7 +139,7 @@ def test_the_models_limits_come_from_its_own_section_not_from_the_buckets(gen_di
     ([64], "model must be a mapping of your model's own settings, got [64]"),
 ])
 def test_a_bad_model_section_fails_the_load_naming_the_key(gen_dir, model, words):
-    from tsbatch.handlers.errors import ConfigError
+    from tsbatch.handlers.core.errors import ConfigError
 
     with pytest.raises(ConfigError) as caught:
         load(gen_dir, model)

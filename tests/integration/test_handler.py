@@ -5,9 +5,9 @@ import re
 
 import pytest
 
-from tsbatch.handlers.encoder_handler import EncoderHandler
-from tsbatch.handlers.stages import BATCH_SIZE_HEADER
-from tsbatch.handlers.errors import ConfigError
+from tsbatch.handlers.core.errors import ConfigError
+from tsbatch.handlers.edge.stages import BATCH_SIZE_HEADER
+from tsbatch.handlers.models.encoder_handler import EncoderHandler
 from tests.support import call, cosine, load_handler, make_context
 
 TEXTS = [

@@ -49,7 +49,7 @@ def test_the_teams_handler_answers_each_request_alone_or_batched_alike(conv_dir)
 
 def test_a_handler_file_must_define_one_tsbatch_handler(tmp_path):
     two = tmp_path / "two_handlers.py"
-    two.write_text("from tsbatch.handlers.tsbatch_handler import TsbatchHandler\n"
+    two.write_text("from tsbatch.handlers.edge.tsbatch_handler import TsbatchHandler\n"
                    "class A(TsbatchHandler):\n    pass\nclass B(TsbatchHandler):\n    pass\n")
     with pytest.raises(ProfileError, match="exactly one class"):
         handler_class(str(two))

@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 from tsbatch.archiver import kserve
 from tsbatch.archiver.package import ArchiveError, ArchiveSpec, build_archive, check_model_dir, stage
 from tsbatch.archiver.properties import ServerSettings, model_config, read_properties, render_properties
-from tsbatch.handlers.config import HandlerConfig
-from tsbatch.handlers.encoder_handler import EncoderHandler
+from tsbatch.handlers.edge.config import HandlerConfig
+from tsbatch.handlers.models.encoder_handler import EncoderHandler
 from tests.support import TOKENIZER_FILES, make_context
 
 LISTENERS = {"inference_address", "management_address", "metrics_address",
@@ -166,7 +166,7 @@ def test_the_archiver_refuses_a_model_without_safetensors(pickled_model, tmp_pat
 
 
 def test_the_runner_refuses_pickled_weights(pickled_model):
-    from tsbatch.handlers.runner import EncoderModel
+    from tsbatch.handlers.models.encoder import EncoderModel
 
     with pytest.raises(OSError, match="safetensors"):
         EncoderModel(HandlerConfig.from_yaml({"task": "sequence_classification"}), pickled_model)
@@ -178,7 +178,7 @@ def test_the_runner_refuses_pickled_weights(pickled_model):
 
 def test_a_booby_trapped_pickle_is_never_unpickled(tmp_path, tiny_models):
     import torch
-    from tsbatch.handlers.runner import EncoderModel
+    from tsbatch.handlers.models.encoder import EncoderModel
 
     marker = str(tmp_path / "code-ran")
     # control: the trap fires whenever something unpickles it

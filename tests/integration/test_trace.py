@@ -7,8 +7,8 @@ import logging
 import pytest
 import torch
 
-from tsbatch.handlers import runner
-from tsbatch.handlers.config import HandlerConfig, Task
+from tsbatch.handlers.edge.config import HandlerConfig, Task
+from tsbatch.handlers.models import encoder
 from tests.support import call, load_handler
 
 TEXTS = [
@@ -48,7 +48,7 @@ def test_the_trace_holds_within_a_dtype(minilm_dir, dtype):
     for trace in (True, False):
         handler, context = load_handler(minilm_dir, dtype=dtype, trace=trace, buckets=[16, 64, 256])
         assert (handler.model.traced is not None) is trace
-        assert handler.model.model.dtype == runner.DTYPES[runner.Dtype(dtype)]
+        assert handler.model.model.dtype == encoder.DTYPES[encoder.Dtype(dtype)]
         replies = call(handler, context, TEXTS)
         assert all(r.status == 200 for r in replies), [r.body for r in replies]
         answers[trace] = [r.body for r in replies]
@@ -57,14 +57,14 @@ def test_the_trace_holds_within_a_dtype(minilm_dir, dtype):
 
 
 def test_compile_takes_the_place_of_the_trace(minilm_dir):
-    model = runner.EncoderModel(HandlerConfig(task=Task.EMBEDDING, compile=True), minilm_dir)
+    model = encoder.EncoderModel(HandlerConfig(task=Task.EMBEDDING, compile=True), minilm_dir)
     assert model.traced is None and model.describe()["trace"] is False
 
 
 def test_a_trace_that_answers_otherwise_is_dropped(minilm_dir, monkeypatch, caplog):
-    monkeypatch.setattr(runner._Traced, "__call__", lambda self, inputs: torch.zeros(1))
-    with caplog.at_level(logging.INFO, logger=runner.logger.name):
-        model = runner.EncoderModel(HandlerConfig(task=Task.EMBEDDING), minilm_dir)
+    monkeypatch.setattr(encoder._Traced, "__call__", lambda self, inputs: torch.zeros(1))
+    with caplog.at_level(logging.INFO, logger=encoder.logger.name):
+        model = encoder.EncoderModel(HandlerConfig(task=Task.EMBEDDING), minilm_dir)
     assert model.traced is None
     assert "answered differently" in caplog.text
 
@@ -74,11 +74,11 @@ def test_a_model_the_tracer_cannot_follow_runs_eager(minilm_dir, monkeypatch, ca
         raise RuntimeError("data-dependent control flow")
 
     monkeypatch.setattr(torch.jit, "trace", refuse)
-    with caplog.at_level(logging.INFO, logger=runner.logger.name):
-        model = runner.EncoderModel(HandlerConfig(task=Task.EMBEDDING), minilm_dir)
+    with caplog.at_level(logging.INFO, logger=encoder.logger.name):
+        model = encoder.EncoderModel(HandlerConfig(task=Task.EMBEDDING), minilm_dir)
     assert model.traced is None
     assert "tracing failed: data-dependent control flow" in caplog.text
-    from tsbatch.handlers.buckets import Batch, Item
+    from tsbatch.handlers.core.buckets import Batch, Item
 
     example = model.example(8)
     (result,) = model.forward(Batch(8, (Item(0, "", 8, 8, example),)))
@@ -98,7 +98,7 @@ def test_a_model_that_branches_on_length_runs_eager(minilm_dir, monkeypatch, cap
         return out
 
     monkeypatch.setattr(modeling_bert.BertModel, "forward", branching)
-    with caplog.at_level(logging.INFO, logger=runner.logger.name):
-        model = runner.EncoderModel(HandlerConfig(task=Task.EMBEDDING), minilm_dir)
+    with caplog.at_level(logging.INFO, logger=encoder.logger.name):
+        model = encoder.EncoderModel(HandlerConfig(task=Task.EMBEDDING), minilm_dir)
     assert model.traced is None
     assert "answered differently" in caplog.text

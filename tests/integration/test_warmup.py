@@ -8,9 +8,9 @@ import shutil
 
 import pytest
 
-from tsbatch.handlers.buckets import plan_batches
-from tsbatch.handlers.encoder_handler import EncoderHandler
-from tsbatch.handlers.stages import Call, prepare
+from tsbatch.handlers.core.buckets import plan_batches
+from tsbatch.handlers.edge.stages import Call, prepare
+from tsbatch.handlers.models.encoder_handler import EncoderHandler
 from tests.support import call, make_context
 from tsbatch.warmup.profile import PROFILE_FILE, LatencyProfile
 

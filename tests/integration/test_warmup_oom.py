@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from tsbatch.handlers.memory import OOM_CAPS_FILE
+from tsbatch.handlers.runtime.memory import OOM_CAPS_FILE
 from tests.support import call, cosine, load_handler
 from tsbatch.warmup.profile import PROFILE_FILE, LatencyProfile
 

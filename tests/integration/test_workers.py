@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from tsbatch.handlers.cost import CostModel
+from tsbatch.handlers.core.cost import CostModel
 from tests.support import ContinuousFrontend, SharedQueueFrontend, cosine, load_handler
 
 pytestmark = pytest.mark.integration

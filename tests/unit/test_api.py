@@ -12,8 +12,8 @@ import tempfile
 import pytest
 
 from tsbatch.handlers.api import BadInput, Batch, Model, Request
-from tsbatch.handlers.stages import BATCH_SIZE_HEADER, PADDED_HEADER
-from tsbatch.handlers.tsbatch_handler import TsbatchHandler
+from tsbatch.handlers.edge.stages import BATCH_SIZE_HEADER, PADDED_HEADER
+from tsbatch.handlers.edge.tsbatch_handler import TsbatchHandler
 
 pytestmark = pytest.mark.unit
 
@@ -142,7 +142,7 @@ def test_a_handler_without_a_model_says_what_to_write():
 
 
 def test_every_answer_that_ran_says_where_its_time_in_the_handler_went():
-    from tsbatch.handlers.stages import TIMING_HEADER
+    from tsbatch.handlers.edge.stages import TIMING_HEADER
 
     handler, context = load(warmup=False)
     answers = serve(handler, context, ["a bb", " ".join(["w"] * 40), ""])
@@ -161,7 +161,7 @@ def test_only_a_worker_with_lanes_hands_the_gil_over_sooner():
     modes the worker shortens Python's switch interval; default mode (no lanes) leaves it alone."""
     import sys
 
-    from tsbatch.handlers.tsbatch_handler import LANE_SWITCH_INTERVAL_S
+    from tsbatch.handlers.edge.tsbatch_handler import LANE_SWITCH_INTERVAL_S
 
     before = sys.getswitchinterval()  # earlier tests' workers with lanes may have set it already
     python_default = 0.005

@@ -1,11 +1,11 @@
-"""tsbatch.handlers.buckets: edges, bucket choice, batch caps and the batch plan."""
+"""tsbatch.handlers.core.buckets: edges, bucket choice, batch caps and the batch plan."""
 from __future__ import annotations
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tsbatch.handlers.buckets import Batch, Item, batch_cap, bucket_for, check_edges, default_edges, next_batch_size, plan_batches
+from tsbatch.handlers.core.buckets import Batch, Item, batch_cap, bucket_for, check_edges, default_edges, next_batch_size, plan_batches
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""tsbatch.handlers.config: the `handler:` section is validated once, and a bad field is named with its value."""
+"""tsbatch.handlers.edge.config: the `handler:` section is validated once, and a bad field is named with its value."""
 from __future__ import annotations
 
 import dataclasses
@@ -6,8 +6,8 @@ import dataclasses
 import pytest
 import yaml
 
-from tsbatch.handlers.config import DeviceType, FaultInjection, FrontendConfig, HandlerConfig, Task
-from tsbatch.handlers.errors import ConfigError
+from tsbatch.handlers.core.errors import ConfigError
+from tsbatch.handlers.edge.config import DeviceType, FaultInjection, FrontendConfig, HandlerConfig, Task
 
 pytestmark = pytest.mark.unit
 

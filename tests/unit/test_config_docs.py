@@ -10,9 +10,9 @@ import yaml
 
 from tsbatch.archiver import cli
 from tsbatch.archiver.config_docs import render
-from tsbatch.handlers.config import (POSITIVE_INT, Check, FaultInjection, FrontendConfig, HandlerConfig, Setting,
-                                     declared, keys_of, setting)
-from tsbatch.handlers.errors import ConfigError
+from tsbatch.handlers.core.errors import ConfigError
+from tsbatch.handlers.edge.config import (POSITIVE_INT, Check, FaultInjection, FrontendConfig, HandlerConfig, Setting,
+                                          declared, keys_of, setting)
 
 pytestmark = pytest.mark.unit
 

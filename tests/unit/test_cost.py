@@ -1,4 +1,4 @@
-"""tsbatch.handlers.cost: the cost model (keyword-only, 0.0 where unknown, read from a latency
+"""tsbatch.handlers.core.cost: the cost model (keyword-only, 0.0 where unknown, read from a latency
 profile), a lane's pace and idle share, and when its queue is through."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from tsbatch.handlers.cost import BUSY_HORIZON, PACE_BOUNDS, CostModel, LaneLoad, finish_in
+from tsbatch.handlers.core.cost import BUSY_HORIZON, PACE_BOUNDS, CostModel, LaneLoad, finish_in
 from tsbatch.warmup.profile import LatencyProfile
 
 pytestmark = pytest.mark.unit

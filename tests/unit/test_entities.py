@@ -1,9 +1,9 @@
-"""tsbatch.handlers.entities: per-token labels become entity spans of the original text."""
+"""tsbatch.handlers.models.entities: per-token labels become entity spans of the original text."""
 from __future__ import annotations
 
 import pytest
 
-from tsbatch.handlers.entities import group_entities
+from tsbatch.handlers.models.entities import group_entities
 
 pytestmark = pytest.mark.unit
 

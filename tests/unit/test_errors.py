@@ -1,12 +1,12 @@
-"""tsbatch.handlers.errors: every serving error carries its status and renders one body shape."""
+"""tsbatch.handlers.core.errors: every serving error carries its status and renders one body shape."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from tsbatch.handlers import errors
-from tsbatch.handlers.errors import (
+from tsbatch.handlers.core import errors
+from tsbatch.handlers.core.errors import (
     BadInput,
     ConfigError,
     DeadlineExceeded,

@@ -1,8 +1,8 @@
-"""Fuzzing handlers.parse: whatever a client sends, parsing returns text or raises BadInput.
+"""Fuzzing handlers.edge.parse: whatever a client sends, parsing returns text or raises BadInput.
 
 TorchServe hands a row's payload over as bytes, as a str (text/*), or already parsed (JSON), with
 any content type a client chose. For every such shape parse_text must return a non-blank str or
-raise handlers.errors.BadInput (a 400 whose message says what to send) — never anything else,
+raise handlers.core.errors.BadInput (a 400 whose message says what to send) — never anything else,
 because anything else escapes the parse stage and fails the whole TorchServe batch.
 """
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from tsbatch.handlers.errors import BadInput
-from tsbatch.handlers.parse import EXAMPLE, parse_text, row_value
+from tsbatch.handlers.core.errors import BadInput
+from tsbatch.handlers.edge.parse import EXAMPLE, parse_text, row_value
 
 pytestmark = pytest.mark.unit
 

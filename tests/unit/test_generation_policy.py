@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from tsbatch.handlers.errors import (BadInput, ConfigError, DeadlineExceeded, ModelFailed, OutOfMemory,
-                                     Overloaded)
-from tsbatch.handlers.generation_policy import (GenerationSettings, GenerationRequest, GenerationPolicy,
-                                                   Priority, Seq, Status, StepOutcome, StepPlan)
+from tsbatch.handlers.core.errors import (BadInput, ConfigError, DeadlineExceeded, ModelFailed, OutOfMemory,
+                                          Overloaded)
+from tsbatch.handlers.core.generation_policy import (GenerationSettings, GenerationRequest, GenerationPolicy,
+                                                     Priority, Seq, Status, StepOutcome, StepPlan)
 
 pytestmark = pytest.mark.unit
 
@@ -56,7 +56,7 @@ def step(scheduler: GenerationPolicy, clock: Clock, **outcome) -> tuple[StepPlan
 
 
 def test_the_module_imports_neither_torch_nor_torchserve():
-    probe = ("import json, sys; import tsbatch.handlers.generation_policy, tsbatch.handlers.generation_api; "
+    probe = ("import json, sys; import tsbatch.handlers.core.generation_policy, tsbatch.handlers.edge.generation_api; "
              "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'ts'))))")
     done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, env={**os.environ, "PYTHONPATH": REPO},
                           capture_output=True, text=True, timeout=120)
@@ -350,10 +350,10 @@ def test_a_bad_policy_fails_at_load_with_the_field_named(field, value, message):
         policy(**{field: value})
 
 
-# -- the handler's contract (handlers/generation_api.py): pure as well
+# -- the handler's contract (handlers/edge/generation_api.py): pure as well
 
 def test_an_ask_is_json_or_plain_text_and_a_deadline_header_may_only_shorten_the_deadline():
-    from tsbatch.handlers.generation_api import Ask, GenerationConfig, deadline_of, parse_ask
+    from tsbatch.handlers.edge.generation_api import Ask, GenerationConfig, deadline_of, parse_ask
 
     config = GenerationConfig(max_new_tokens=32, default_new_tokens=8, deadline_ms=5000)
     assert parse_ask(b'{"text": "hi", "max_new_tokens": 3, "stream": true}', config) == Ask("hi", 3, True)
@@ -371,7 +371,7 @@ def test_an_ask_is_json_or_plain_text_and_a_deadline_header_may_only_shorten_the
 
 
 def test_a_stream_hands_out_text_pieces_that_join_to_the_whole_text():
-    from tsbatch.handlers.generation_api import TextStream
+    from tsbatch.handlers.edge.generation_api import TextStream
 
     words = {1: "he", 2: "##llo", 3: "world"}
 
@@ -384,7 +384,7 @@ def test_a_stream_hands_out_text_pieces_that_join_to_the_whole_text():
 
 
 def test_the_generation_settings_name_a_misspelt_key_and_check_the_policy_at_load():
-    from tsbatch.handlers.generation_api import GenerationConfig
+    from tsbatch.handlers.edge.generation_api import GenerationConfig
 
     assert GenerationConfig.from_section({"kv_bound": 4096}).settings().kv_bound == 4096
     with pytest.raises(ConfigError, match="did you mean max_new_tokens"):
@@ -396,7 +396,7 @@ def test_the_generation_settings_name_a_misspelt_key_and_check_the_policy_at_loa
 
 
 def test_on_a_device_the_kv_bound_is_what_a_share_of_its_free_memory_holds_or_the_configured_one_if_smaller():
-    from tsbatch.handlers.generation_api import GenerationConfig, kv_bound_for
+    from tsbatch.handlers.edge.generation_api import GenerationConfig, kv_bound_for
 
     assert kv_bound_for(free_bytes=10_000, bytes_per_token=512, share=0.8) == 15
     assert kv_bound_for(free_bytes=100, bytes_per_token=512, share=0.8) == 1

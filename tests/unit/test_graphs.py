@@ -1,4 +1,4 @@
-"""CUDA graphs per shape, the decisions (handlers/graphs.py): which shapes are captured, what a
+"""CUDA graphs per shape, the decisions (handlers/runtime/graphs.py): which shapes are captured, what a
 failed or differing capture becomes, and the graphs' memory against their share of the budget."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from tsbatch.handlers.graphs import GRAPH_MEMORY_SHARE, GraphBook, graph_limit, shape_label
+from tsbatch.handlers.runtime.graphs import GRAPH_MEMORY_SHARE, GraphBook, graph_limit, shape_label
 from tsbatch.warmup.plan import Shape
 from tests.unit.test_pure_imports import imported_heavy_modules
 
@@ -29,7 +29,7 @@ def test_each_shape_is_captured_once_and_only_before_ready():
 
 def test_a_refused_shape_stays_eager_and_the_others_are_still_captured(caplog):
     book = GraphBook()
-    with caplog.at_level(logging.WARNING, logger="tsbatch.handlers.graphs"):
+    with caplog.at_level(logging.WARNING, logger="tsbatch.handlers.runtime.graphs"):
         book.refuse(Shape(2, 32), "its replay answered differently from the eager pass")
     assert not book.should_capture(Shape(2, 32))
     assert book.should_capture(Shape(4, 32))
@@ -40,7 +40,7 @@ def test_a_refused_shape_stays_eager_and_the_others_are_still_captured(caplog):
 def test_a_forward_that_cannot_be_captured_turns_graphs_off_for_every_shape(caplog):
     book = GraphBook()
     book.record(Shape(1, 16), MIB)
-    with caplog.at_level(logging.WARNING, logger="tsbatch.handlers.graphs"):
+    with caplog.at_level(logging.WARNING, logger="tsbatch.handlers.runtime.graphs"):
         book.turn_off(Shape(2, 16), "RuntimeError: operation not permitted when stream is capturing")
     assert not any(book.should_capture(Shape(b, e)) for b in (1, 2, 4) for e in (16, 64))
     assert "off for this model" in caplog.text and "capturing shape 2x16 failed" in caplog.text
@@ -53,7 +53,7 @@ def test_graphs_hold_no_more_than_their_share_of_the_budget(caplog):
     assert book.limit_bytes == int(budget * GRAPH_MEMORY_SHARE) == 100 * MIB
     shapes = [Shape(b, e) for e in (16, 64, 256) for b in (1, 2, 4)]  # warmup's order: small first
     captured = []
-    with caplog.at_level(logging.WARNING, logger="tsbatch.handlers.graphs"):
+    with caplog.at_level(logging.WARNING, logger="tsbatch.handlers.runtime.graphs"):
         for shape in shapes:
             if book.should_capture(shape):
                 book.record(shape, shape.tokens * MIB // 16)  # memory that grows with the shape
@@ -71,7 +71,7 @@ def test_a_pass_after_ready_with_no_graph_is_said_once_per_shape(caplog):
     book = GraphBook()
     book.record(Shape(1, 16), MIB)
     book.refuse(Shape(2, 16), "out of memory at capture")
-    with caplog.at_level(logging.INFO, logger="tsbatch.handlers.graphs"):
+    with caplog.at_level(logging.INFO, logger="tsbatch.handlers.runtime.graphs"):
         book.met_eager(Shape(8, 16))  # before READY: warmup's eager passes say nothing
         book.mark_ready()
         for _ in range(3):
@@ -84,7 +84,7 @@ def test_a_pass_after_ready_with_no_graph_is_said_once_per_shape(caplog):
 
 
 def test_no_shape_before_ready_says_graphs_never_ran(caplog):
-    with caplog.at_level(logging.WARNING, logger="tsbatch.handlers.graphs"):
+    with caplog.at_level(logging.WARNING, logger="tsbatch.handlers.runtime.graphs"):
         GraphBook().mark_ready()
     assert "no shape ran before READY" in caplog.text
 
@@ -95,4 +95,4 @@ def test_labels_match_the_profile_and_metrics_bucket_labels():
 
 
 def test_graphs_module_imports_neither_torch_nor_torchserve():
-    assert imported_heavy_modules("tsbatch.handlers.graphs") == []
+    assert imported_heavy_modules("tsbatch.handlers.runtime.graphs") == []

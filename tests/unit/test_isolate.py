@@ -1,4 +1,4 @@
-"""tsbatch.handlers.isolate: failing requests are found by bisection, out-of-memory batches are halved.
+"""tsbatch.handlers.core.isolate: failing requests are found by bisection, out-of-memory batches are halved.
 
 The model is a fake `run(batch)`: one {"v": text} per item, RuntimeError when any text contains
 "BAD", MemoryError above a batch size or for a text that does not fit even alone.
@@ -10,9 +10,9 @@ import math
 
 import pytest
 
-from tsbatch.handlers.buckets import Batch, Item, plan_batches
-from tsbatch.handlers.errors import ModelFailed, ModelUnavailable, OutOfMemory, ServingError
-from tsbatch.handlers.isolate import IsolationReport, Isolator, OomCaps, describe, is_out_of_memory
+from tsbatch.handlers.core.buckets import Batch, Item, plan_batches
+from tsbatch.handlers.core.errors import ModelFailed, ModelUnavailable, OutOfMemory, ServingError
+from tsbatch.handlers.core.isolate import IsolationReport, Isolator, OomCaps, describe, is_out_of_memory
 
 pytestmark = pytest.mark.unit
 

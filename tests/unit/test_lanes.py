@@ -1,4 +1,4 @@
-"""tsbatch.handlers.lanes: split_lanes, and the lane threads (Lanes) running a real Policy's plans.
+"""tsbatch.handlers.runtime.lanes: split_lanes, and the lane threads (Lanes) running a real Policy's plans.
 
 The isolator is a fake whose `execute` can block on an Event, so a test can hold a pass "running"
 for as long as it likes; every blocked call is released when the test ends (lane threads are
@@ -12,12 +12,12 @@ import time
 
 import pytest
 
-from tsbatch.handlers.buckets import batch_cap, Item
-from tsbatch.handlers.cost import CostModel
-from tsbatch.handlers.errors import DeadlineExceeded, ModelFailed, Overloaded
-from tsbatch.handlers.lanes import Lanes
-from tsbatch.handlers.modes.continuous_mode import PACE_MAX_S, reply_pace
-from tsbatch.handlers.policy import Policy, PolicySettings, Ticket, split_lanes
+from tsbatch.handlers.core.buckets import batch_cap, Item
+from tsbatch.handlers.core.cost import CostModel
+from tsbatch.handlers.core.errors import DeadlineExceeded, ModelFailed, Overloaded
+from tsbatch.handlers.core.policy import Policy, PolicySettings, Ticket, split_lanes
+from tsbatch.handlers.edge.modes.continuous_mode import PACE_MAX_S, reply_pace
+from tsbatch.handlers.runtime.lanes import Lanes
 
 pytestmark = pytest.mark.unit
 

@@ -10,12 +10,12 @@ import json
 
 import pytest
 
-from tsbatch.handlers.buckets import Item
-from tsbatch.handlers.errors import BadInput, Overloaded
-from tsbatch.handlers.parse import FORM, many, row_value
-from tsbatch.handlers.policy import Policy, PolicySettings, Ticket
-from tsbatch.handlers.reply import Answer, Reply
-from tsbatch.handlers.stages import BATCH_SIZE_HEADER, PADDED_HEADER
+from tsbatch.handlers.core.buckets import Item
+from tsbatch.handlers.core.errors import BadInput, Overloaded
+from tsbatch.handlers.core.policy import Policy, PolicySettings, Ticket
+from tsbatch.handlers.core.reply import Answer, Reply
+from tsbatch.handlers.edge.parse import FORM, many, row_value
+from tsbatch.handlers.edge.stages import BATCH_SIZE_HEADER, PADDED_HEADER
 from tests.unit.test_api import load
 
 pytestmark = pytest.mark.unit
@@ -83,7 +83,7 @@ def test_kserve_v2_tensor_of_texts_gets_one_output_tensor_per_result_field(words
 
 
 def test_v2_tensors_of_vectors_and_of_anything_else():
-    from tsbatch.handlers.envelopes import KSERVE_V2, wrap
+    from tsbatch.handlers.edge.envelopes import KSERVE_V2, wrap
 
     body = wrap(KSERVE_V2, [{"embedding": [0.5, 1.0], "label": "x", "scores": {"a": 1}},
                             {"embedding": [0.25, 2.0], "label": "y", "scores": {"a": 0}}], "m")
@@ -140,7 +140,7 @@ def test_an_empty_list_is_a_clear_400(words):
 
 
 def test_a_model_that_takes_lists_whole_opts_out_of_splitting():
-    from tsbatch.handlers.stages import Call, prepare
+    from tsbatch.handlers.edge.stages import Call, prepare
     from tests.unit.test_api import WordModel
 
     class Whole(WordModel):
@@ -171,7 +171,7 @@ def test_a_form_field_named_text_is_the_text():
     ({"A man is eating food.": ""}, "fields 'A man"),  # curl --data 'A man is eating food.&'
 ])
 def test_any_other_form_gets_415_naming_what_arrived_and_how_to_send_the_text(fields, found):
-    from tsbatch.handlers.errors import UnsupportedMediaType
+    from tsbatch.handlers.core.errors import UnsupportedMediaType
 
     with pytest.raises(UnsupportedMediaType) as cut:
         row_value(fields, FORM)

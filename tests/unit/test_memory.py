@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import pytest
 
-from tsbatch.handlers.buckets import power_of_two_sizes
-from tsbatch.handlers.config import HandlerConfig
-from tsbatch.handlers.errors import ConfigError
-from tsbatch.handlers.isolate import is_out_of_memory
-from tsbatch.handlers.memory import apply_budget, budget_bytes, keep_caps, load_caps
+from tsbatch.handlers.core.buckets import power_of_two_sizes
+from tsbatch.handlers.core.errors import ConfigError
+from tsbatch.handlers.core.isolate import is_out_of_memory
+from tsbatch.handlers.edge.config import HandlerConfig
+from tsbatch.handlers.runtime.memory import apply_budget, budget_bytes, keep_caps, load_caps
 from tests.support import FakeClock
 from tsbatch.warmup.plan import Shape, WarmupPlan, plan_shapes
 from tsbatch.warmup.profile import LatencyProfile

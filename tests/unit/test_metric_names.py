@@ -8,7 +8,7 @@ import re
 import pytest
 import yaml
 
-from tsbatch.handlers.metrics import BASE_LABELS, SPECS, metrics_yaml_section
+from tsbatch.handlers.edge.metrics import BASE_LABELS, SPECS, metrics_yaml_section
 
 pytestmark = pytest.mark.unit
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")

@@ -1,10 +1,10 @@
-"""tsbatch.handlers.parse: every shape TorchServe hands a handler ends as text or as a 400 that says what to send."""
+"""tsbatch.handlers.edge.parse: every shape TorchServe hands a handler ends as text or as a 400 that says what to send."""
 from __future__ import annotations
 
 import pytest
 
-from tsbatch.handlers.errors import BadInput
-from tsbatch.handlers.parse import EXAMPLE, parse_text, row_value
+from tsbatch.handlers.core.errors import BadInput
+from tsbatch.handlers.edge.parse import EXAMPLE, parse_text, row_value
 
 pytestmark = pytest.mark.unit
 

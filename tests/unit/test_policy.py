@@ -1,4 +1,4 @@
-"""tsbatch.handlers.policy: per-bucket queues, readiness, ordering, priority, deadlines, queue cap,
+"""tsbatch.handlers.core.policy: per-bucket queues, readiness, ordering, priority, deadlines, queue cap,
 and a lane's plan (schedule / finished).
 
 Time is a fake clock: plain floats passed as `now` (and as each ticket's `arrived`); nothing sleeps.
@@ -11,10 +11,10 @@ import itertools
 
 import pytest
 
-from tsbatch.handlers.buckets import batch_cap, Batch, Item
-from tsbatch.handlers.errors import BadInput, Overloaded
-from tsbatch.handlers.cost import CostModel
-from tsbatch.handlers.policy import Plan, Policy, PolicySettings, Priority, Ticket, within_budget
+from tsbatch.handlers.core.buckets import batch_cap, Batch, Item
+from tsbatch.handlers.core.cost import CostModel
+from tsbatch.handlers.core.errors import BadInput, Overloaded
+from tsbatch.handlers.core.policy import Plan, Policy, PolicySettings, Priority, Ticket, within_budget
 
 pytestmark = pytest.mark.unit
 

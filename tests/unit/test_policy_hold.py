@@ -9,9 +9,9 @@ import random
 
 import pytest
 
-from tsbatch.handlers.buckets import Item
-from tsbatch.handlers.cost import CostModel
-from tsbatch.handlers.policy import Arrivals, Policy, PolicySettings, Ticket
+from tsbatch.handlers.core.buckets import Item
+from tsbatch.handlers.core.cost import CostModel
+from tsbatch.handlers.core.policy import Arrivals, Policy, PolicySettings, Ticket
 
 pytestmark = pytest.mark.unit
 

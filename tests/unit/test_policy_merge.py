@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from tsbatch.handlers.buckets import Item
-from tsbatch.handlers.cost import CostModel
-from tsbatch.handlers.policy import Policy, PolicySettings, Ticket, merge_edge, split_cost
+from tsbatch.handlers.core.buckets import Item
+from tsbatch.handlers.core.cost import CostModel
+from tsbatch.handlers.core.policy import Policy, PolicySettings, Ticket, merge_edge, split_cost
 
 pytestmark = pytest.mark.unit
 

@@ -37,7 +37,7 @@ def test_prose_without_an_event_is_not_progress_and_an_event_is_whatever_the_tex
     plain = logging.LogRecord("tsbatch.warmup.run", logging.INFO, __file__, 1, "tsbatch warmup shape 1 of 1", None, None)
     forward.emit(plain)
     assert seen == []
-    evented = logging.LogRecord("tsbatch.handlers.warming", logging.INFO, __file__, 1, "reworded", None, None)
+    evented = logging.LogRecord("tsbatch.handlers.runtime.warming", logging.INFO, __file__, 1, "reworded", None, None)
     evented.tsbatch_warmup = {"event": "done", "seconds": 12.34}
     forward.emit(evented)
     assert seen == ["warmup done in 12.3s"]

@@ -17,7 +17,7 @@ from tsbatch.archiver.properties import (
     read_properties,
     render_properties,
 )
-from tsbatch.handlers.config import HandlerConfig
+from tsbatch.handlers.edge.config import HandlerConfig
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""tsbatch.handlers.reply: a request's Reply is settled once (its texts' answers, or a forced 504),
+"""tsbatch.handlers.core.reply: a request's Reply is settled once (its texts' answers, or a forced 504),
 and its done-callbacks run without any lock of the Reply held.
 
 Threads here wait on Events with a bound (WAIT seconds) and go on as soon as the event is set.
@@ -9,9 +9,9 @@ import threading
 
 import pytest
 
-from tsbatch.handlers.buckets import Item
-from tsbatch.handlers.errors import DeadlineExceeded
-from tsbatch.handlers.reply import Answer, Reply
+from tsbatch.handlers.core.buckets import Item
+from tsbatch.handlers.core.errors import DeadlineExceeded
+from tsbatch.handlers.core.reply import Answer, Reply
 
 pytestmark = pytest.mark.unit
 

@@ -7,30 +7,30 @@ from bench.saturation import classify, gil_shares, per_core, read_samples
 
 pytestmark = pytest.mark.unit
 
-LANE = ("_bootstrap (threading.py:1002);_lane (tsbatch/handlers/lanes.py:96);"
-        "_step (tsbatch/handlers/lanes.py:104)")
+LANE = ("_bootstrap (threading.py:1002);_lane (tsbatch/handlers/runtime/lanes.py:96);"
+        "_step (tsbatch/handlers/runtime/lanes.py:104)")
 MAIN = ("<module> (ts/model_service_worker.py:301);handle_connection (ts/model_service_worker.py:185);"
-        "predict (ts/service.py:135);handle (tsbatch/handlers/modes/continuous_mode.py:85)")
+        "predict (ts/service.py:135);handle (tsbatch/handlers/edge/modes/continuous_mode.py:85)")
 
 
 def test_a_pass_is_a_forward_pass_and_a_wait_is_named_by_its_waiter():
-    forward = f"{LANE};forward (tsbatch/handlers/runner.py:214);_call_impl (torch/nn/modules/module.py:1750)"
+    forward = f"{LANE};forward (tsbatch/handlers/models/encoder.py:214);_call_impl (torch/nn/modules/module.py:1750)"
     assert classify(forward.split(";")) == "forward pass"
-    waiting = f"{MAIN};_wait_for_one (tsbatch/handlers/modes/continuous_mode.py:110);wait (threading.py:327)"
-    assert classify(waiting.split(";")) == "waiting (handlers/modes/continuous_mode.py:_wait_for_one)"
-    encode = f"{MAIN};answer (tsbatch/handlers/stages.py:200);dumps (json/__init__.py:231);encode (json/encoder.py:200)"
+    waiting = f"{MAIN};_wait_for_one (tsbatch/handlers/edge/modes/continuous_mode.py:110);wait (threading.py:327)"
+    assert classify(waiting.split(";")) == "waiting (handlers/edge/modes/continuous_mode.py:_wait_for_one)"
+    encode = f"{MAIN};answer (tsbatch/handlers/edge/stages.py:200);dumps (json/__init__.py:231);encode (json/encoder.py:200)"
     assert classify(encode.split(";")) == "response encoding (JSON)"
     read = "<module> (ts/model_service_worker.py:301);retrieve_msg (ts/protocol/otf_message_handler.py:40);recv (socket.py:1)"
     assert classify(read.split(";")) == "TorchServe protocol: reading calls (recv per field, parsing)"
-    assert classify(f"{LANE};expire (tsbatch/handlers/policy.py:245)".split(";")) == "other: policy.py:expire"
+    assert classify(f"{LANE};expire (tsbatch/handlers/core/policy.py:245)".split(";")) == "other: policy.py:expire"
 
 
 def test_read_samples_gives_each_thread_its_shares(tmp_path):
     raw = tmp_path / "worker.stacks"
     raw.write_text(
-        f"thread (11): tsbatch-lane-0;{LANE};forward (tsbatch/handlers/runner.py:214) 3\n"
-        f"thread (11): tsbatch-lane-0;{LANE};_collate (tsbatch/handlers/runner.py:230) 1\n"
-        f"thread (10): MainThread;{MAIN};tokenize (tsbatch/handlers/runner.py:170) 2\n")
+        f"thread (11): tsbatch-lane-0;{LANE};forward (tsbatch/handlers/models/encoder.py:214) 3\n"
+        f"thread (11): tsbatch-lane-0;{LANE};_collate (tsbatch/handlers/models/encoder.py:230) 1\n"
+        f"thread (10): MainThread;{MAIN};tokenize (tsbatch/handlers/models/encoder.py:170) 2\n")
     assert read_samples(str(raw)) == {"tsbatch-lane-0": {"forward pass": 0.75, "collate": 0.25},
                                       "MainThread": {"tokenize": 1.0}}
 
@@ -53,5 +53,5 @@ def test_per_core_divides_the_served_answers_by_the_lanes_cores_and_the_ceiling_
 def test_a_frame_that_spans_lines_stays_in_its_record(tmp_path):
     path = tmp_path / "raw.stacks"
     path.write_text("thread (1): MainThread;mod.py:<module>;a docstring.\n\nMore of it\n;json/encoder.py:encode 3\n"
-                    "thread (2): tsbatch-lane-0;runner.py:forward 5\n")
+                    "thread (2): tsbatch-lane-0;models/encoder.py:forward 5\n")
     assert read_samples(str(path)) == {"MainThread": {"response encoding (JSON)": 1.0}, "tsbatch-lane-0": {"forward pass": 1.0}}

@@ -8,14 +8,14 @@ import sys
 
 import pytest
 
-from tsbatch.handlers.siblings import FOLDER, Siblings, fit_threads, usable_cores
+from tsbatch.handlers.edge.siblings import FOLDER, Siblings, fit_threads, usable_cores
 
 pytestmark = pytest.mark.unit
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 JOIN_AND_WAIT = """
 import sys, time
-from tsbatch.handlers.siblings import Siblings
+from tsbatch.handlers.edge.siblings import Siblings
 Siblings(sys.argv[1]).join()
 print("joined", flush=True)
 time.sleep(600)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from tsbatch.archiver.simulate import Arm, Overheads, PassTimes, Simulation, at_rate, capacity, poisson, workload_tokens
-from tsbatch.handlers.config import HandlerConfig
-from tsbatch.handlers.buckets import default_edges
+from tsbatch.handlers.core.buckets import default_edges
+from tsbatch.handlers.edge.config import HandlerConfig
 from tsbatch.warmup.profile import LatencyProfile
 
 pytestmark = pytest.mark.unit

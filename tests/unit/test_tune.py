@@ -24,8 +24,8 @@ from tsbatch.archiver.tune import (
     predicted_p99,
     tune,
 )
-from tsbatch.handlers.config import HandlerConfig
-from tsbatch.handlers.policy import split_lanes
+from tsbatch.handlers.core.policy import split_lanes
+from tsbatch.handlers.edge.config import HandlerConfig
 from tsbatch.warmup.profile import LatencyProfile, ShapeTiming
 
 pytestmark = pytest.mark.unit

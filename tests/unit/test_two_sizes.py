@@ -8,13 +8,13 @@ import pytest
 
 from tests.unit.test_api import FakeContext, serve
 from tsbatch.handlers.api import BadInput, Batch, Model, Request
-from tsbatch.handlers.buckets import (bucket_for, bucket_grid, bucket_label, config_key, edges_per_size, holds,
-                                      longest, parse_bucket, plan_batches, Item)
-from tsbatch.handlers.config import HandlerConfig
-from tsbatch.handlers.policy import split_lanes
-from tsbatch.handlers.errors import ConfigError
-from tsbatch.handlers.stages import PADDED_HEADER
-from tsbatch.handlers.tsbatch_handler import TsbatchHandler
+from tsbatch.handlers.core.buckets import (bucket_for, bucket_grid, bucket_label, config_key, edges_per_size, holds,
+                                           longest, parse_bucket, plan_batches, Item)
+from tsbatch.handlers.core.errors import ConfigError
+from tsbatch.handlers.core.policy import split_lanes
+from tsbatch.handlers.edge.config import HandlerConfig
+from tsbatch.handlers.edge.stages import PADDED_HEADER
+from tsbatch.handlers.edge.tsbatch_handler import TsbatchHandler
 from tsbatch.warmup.profile import LatencyProfile
 
 pytestmark = pytest.mark.unit

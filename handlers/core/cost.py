@@ -1,0 +1,121 @@
+"""The one cost model: how long a pass takes, by the latency profile warmup measured.
+
+Every question the policy (handlers/core/policy.py), the simulator and the tuner ask about time goes
+here, with keyword arguments only (`cost.median(bucket=b, size=n)`), so a bucket and a batch size
+can never be swapped unnoticed. 0.0 means "the profile does not know this shape": callers treat
+it as unknown, never as free.
+
+Also here, because they are arithmetic over pass times: a lane's pace (how much slower its passes
+run served than alone in warmup) and how long a lane takes to get through its queue when earlier
+lanes help (`finish_in`).
+
+Pure: no torch, no clock, no threads.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+from tsbatch.warmup.plan import Bucket
+
+# f(*, bucket, size) -> seconds, 0.0 where unknown
+Table = Callable[..., float]
+
+
+def _unknown(*, bucket: Bucket, size: int) -> float:
+    return 0.0
+
+
+class CostModel:
+    """Seconds of one pass of `size` texts padded to `bucket`: the profile's median and p90."""
+
+    def __init__(self, median: Table | None = None, p90: Table | None = None):
+        self._median = median or _unknown
+        self._p90 = p90 or _unknown
+        self.known = median is not None or p90 is not None  # False: no profile (warmup off)
+
+    @classmethod
+    def from_profile(cls, profile) -> "CostModel":
+        """From a warmup.profile.LatencyProfile (None: nothing known)."""
+        if profile is None:
+            return cls()
+        shapes = {}
+        for timing in profile.shapes:  # the first of a shape, as warmup wrote it
+            shapes.setdefault((timing.bucket, timing.batch), timing)
+
+        def median(*, bucket: Bucket, size: int) -> float:
+            timing = shapes.get((bucket, size))
+            return timing.median_ms / 1000 if timing else 0.0
+
+        def p90(*, bucket: Bucket, size: int) -> float:
+            timing = shapes.get((bucket, size))
+            return timing.p90_ms / 1000 if timing else 0.0
+
+        return cls(median, p90)
+
+    def median(self, *, bucket: Bucket, size: int, threads: int | None = None) -> float:
+        """The typical time of the pass (`threads`: intra-op threads; the profile's own when None)."""
+        return self._median(bucket=bucket, size=size)
+
+    def p90(self, *, bucket: Bucket, size: int, threads: int | None = None) -> float:
+        """A slow run of the pass: what deadlines are checked against."""
+        return self._p90(bucket=bucket, size=size)
+
+    def typical(self, *, bucket: Bucket, size: int, threads: int | None = None) -> float:
+        """The median, or the p90 where only that is known."""
+        return self.median(bucket=bucket, size=size, threads=threads) or self.p90(bucket=bucket, size=size, threads=threads)
+
+
+# -- a lane's pace --------------------------------------------------------------------------------
+
+PACE_WEIGHT = 0.2  # each pass moves its lane's pace this far toward its own ratio
+PACE_BOUNDS = (0.5, 4.0)  # one odd pass (isolation after a failure, a stall) moves it only so far
+BUSY_HORIZON = 2.0  # seconds over which a lane's record of its busy time fades
+
+
+class LaneLoad:
+    """One lane's recent passes: how long they took against the profile (`pace`: warmup times
+    every pass alone, served it runs beside the other lane and TorchServe's threads) and how much
+    of the lane's time its own work took (`idle_share`, the rest is what it can give a lane behind)."""
+
+    def __init__(self):
+        self.pace = 1.0
+        self.busy = 0.0  # seconds of own work, fading with BUSY_HORIZON
+        self.seen = 0.0  # when `busy` was last faded
+
+    def ran(self, seconds: float, typical: float, now: float, own: bool = True) -> None:
+        """A pass ended at `now` after `seconds`; `typical`: its median in the profile (0:
+        unknown, the pace stays); `own`: of this lane's buckets or an earlier lane's (helping a
+        later lane is time it had to spare)."""
+        if typical > 0:
+            ratio = min(PACE_BOUNDS[1], max(PACE_BOUNDS[0], seconds / typical))
+            self.pace += PACE_WEIGHT * (ratio - self.pace)
+        self._fade(now)
+        if own:
+            self.busy += seconds
+
+    def idle_share(self, now: float) -> float:
+        """The share of recent time this lane had nothing of its own to run: 1 when idle for a
+        while, 0 when busy with its own work throughout."""
+        self._fade(now)
+        return max(0.0, 1.0 - self.busy / BUSY_HORIZON)
+
+    def _fade(self, now: float) -> None:
+        if now > self.seen:
+            self.busy *= math.exp(-(now - self.seen) / BUSY_HORIZON)
+            self.seen = now
+
+
+def finish_in(own: float, behind: float, helpers: Sequence[tuple[float, float]] = ()) -> float:
+    """Seconds until a lane has run `own` seconds of work (the rest of its pass, its queue, the new
+    request's pass), when earlier lanes help with its queue while more than `behind` seconds of it
+    wait. `helpers`: (seconds until the helper is through its own work, its idle share). Helped, the
+    queue drains at 1 + the helpers' idle shares from when the first helper is free until `behind`
+    is left, then at the lane's own pace."""
+    if not helpers:
+        return own
+    free = min(ready for ready, _ in helpers)
+    share = sum(idle for _, idle in helpers)
+    if share <= 0 or own - free <= behind:
+        return own
+    return free + (own - free - behind) / (1 + share) + behind

@@ -1,0 +1,344 @@
+"""Iteration-level scheduling for text generation: one decode loop's decisions, one step at a time.
+
+`schedule(now)` plans a step: every running sequence decodes one token, and waiting requests are
+prefilled and join, in turn by priority class then arrival, while the step's tokens stay within
+`token_budget` (a decode feeds one token, a prefill its whole context; a step's first prefill
+may pass it, else a long prompt could never run) and the KV-cache tokens live after the step
+within `kv_bound`. What no longer fits is preempted: the lowest priority
+first, then the youngest (last to join); it goes back to waiting and is recomputed from its
+prompt and the tokens it already has. A high-priority request may preempt lower classes to join.
+`finished(plan, outcome, now)` settles the step: a sequence leaves at end-of-sequence or at its
+`max_new_tokens`; one whose step raised or gave NaN fails alone; out of memory lowers `kv_bound`
+(learned, only ever down), and the next plan preempts down to it. Requests past their deadline
+are expired (504); those that cannot fit even alone are refused (507); a full queue refuses at
+submit (503).
+
+Pure: no torch, no threads, no clock; time comes from the caller, so tests use a fake clock.
+"""
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from tsbatch.handlers.core.errors import (BadInput, ConfigError, DeadlineExceeded, ModelFailed, OutOfMemory, Overloaded,
+                                          ServingError)
+from tsbatch.handlers.core.policy import Priority  # one X-Priority for every mode
+
+
+class Status(enum.Enum):
+    """Where a sequence is in its life: WAITING -> RUNNING (-> WAITING when preempted) -> one end."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"  # end-of-sequence or max_new_tokens: its tokens are its answer
+    FAILED = "failed"  # its own error (model raised, NaN, expired, cannot fit): `error` says which
+    CANCELLED = "cancelled"  # the client went away
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """What a client asked for: prompt token ids, how many new tokens at most, when it arrived
+    (monotonic seconds), its class and its deadline (monotonic seconds, None: none)."""
+
+    rid: str
+    prompt: tuple[int, ...]
+    max_new_tokens: int
+    arrived: float
+    priority: Priority = Priority.NORMAL
+    deadline: float | None = None
+
+
+@dataclass(eq=False)
+class Seq:
+    """One request's sequence as the scheduler tracks it: the tokens it has made so far (its
+    answer), its status, and who waits for it (`waiter`, the engine's; opaque here)."""
+
+    request: GenerationRequest
+    waiter: Any = None
+    tokens: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    error: ServingError | None = None
+    stop: str = ""  # why it finished: "eos" or "length"
+    joined: float = 0.0  # when it last joined the running set (the youngest is preempted first)
+    first_token_at: float | None = None
+    ended_at: float | None = None
+    preemptions: int = 0
+
+    @property
+    def rid(self) -> str:
+        return self.request.rid
+
+    @property
+    def priority(self) -> Priority:
+        return self.request.priority
+
+    @property
+    def context(self) -> int:
+        """KV-cache tokens this sequence holds after its next step (prompt plus tokens so far)."""
+        return len(self.request.prompt) + len(self.tokens)
+
+    @property
+    def held(self) -> int:
+        """KV-cache tokens it holds now: none while waiting, its context less the token not yet fed while running."""
+        return self.context - 1 if self.status is Status.RUNNING else 0
+
+    @property
+    def most(self) -> int:
+        """KV-cache tokens it can come to hold: prompt plus every token it may make."""
+        return len(self.request.prompt) + self.request.max_new_tokens
+
+    def effective_priority(self, now: float, aging: float) -> int:
+        """The class it counts as when waiting: one better per `aging` seconds waited, so low never starves."""
+        if aging <= 0:
+            return int(self.priority)
+        return max(0, int(self.priority) - math.floor((now - self.request.arrived) / aging))
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    token_budget: int  # tokens fed to the model per step: 1 per decode, a prefill's whole context
+    kv_bound: int  # KV-cache tokens live after a step, all sequences together (the start; learned down)
+    max_running: int  # sequences in one step at most
+    queue_cap: int  # sequences waiting at most (preempted ones are not counted against it)
+    priority_aging: float = 0.0  # seconds of waiting that raise a request one class (0: never)
+    preempt_for_priority: bool = True  # a waiting request may preempt running ones of a lower class
+    oom_backoff: float = 0.9  # out of memory: kv_bound becomes at most this share of the failed step's tokens
+
+    def __post_init__(self):
+        for name in ("token_budget", "kv_bound", "max_running", "queue_cap"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"generation {name} must be a whole number of at least 1, got {value!r}")
+        if self.token_budget < self.max_running:
+            raise ConfigError(f"generation token_budget ({self.token_budget}) must be at least max_running "
+                              f"({self.max_running}): every running sequence feeds one token a step")
+        if not 0 < self.oom_backoff < 1:
+            raise ConfigError(f"generation oom_backoff must be between 0 and 1, got {self.oom_backoff!r}")
+        if self.priority_aging < 0:
+            raise ConfigError(f"generation priority_aging must be 0 or more seconds, got {self.priority_aging!r}")
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step: `decode` feed their last token, `prefill` their whole context (prompt plus tokens
+    so far) and join; `preempted` lost their seat and their KV cache (recomputed later); `expired`
+    and `refused` leave now with their error. `tokens` fed and `kv_tokens` live after the step."""
+
+    decode: tuple[Seq, ...] = ()
+    prefill: tuple[Seq, ...] = ()
+    preempted: tuple[Seq, ...] = ()
+    expired: tuple[Seq, ...] = ()
+    refused: tuple[Seq, ...] = ()
+    tokens: int = 0
+    kv_tokens: int = 0
+
+    @property
+    def runs(self) -> tuple[Seq, ...]:
+        return self.decode + self.prefill
+
+    @property
+    def ended(self) -> tuple[Seq, ...]:
+        """Sequences this plan ends with an error, to be answered now."""
+        return self.expired + self.refused
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What running a plan gave: each sequence that ran its token, or its own failure; `eos`: the
+    sequences whose token ends them (not kept); `out_of_memory`: the step as a whole ran out, and
+    nothing advanced."""
+
+    tokens: Mapping[Seq, int] = field(default_factory=dict)
+    eos: frozenset = frozenset()
+    failed: Mapping[Seq, ServingError] = field(default_factory=dict)
+    out_of_memory: bool = False
+
+
+def _victim_order(seq: Seq) -> tuple:
+    """Preempted first: lowest class, then the youngest (last to join, then last to arrive)."""
+    return (-int(seq.priority), -seq.joined, -seq.request.arrived)
+
+
+class GenerationPolicy:
+    """Waiting and running sequences, and the rules that plan each step and settle it."""
+
+    def __init__(self, settings: GenerationSettings):
+        self.settings = settings
+        self.kv_bound = settings.kv_bound  # learned from out of memory: only goes down
+        self.waiting: list[Seq] = []
+        self.running: list[Seq] = []
+        self.preemptions = 0
+        self.out_of_memory_steps = 0
+
+    def __len__(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    @property
+    def kv_in_use(self) -> int:
+        return sum(seq.held for seq in self.running)
+
+    def submit(self, request: GenerationRequest, waiter: Any = None) -> Seq:
+        """Queue a request, or refuse it at once: Overloaded when the queue is full, OutOfMemory when
+        it could not fit even alone (prompt plus max_new_tokens past the KV bound)."""
+        if request.max_new_tokens < 1:
+            raise BadInput(f"max_new_tokens must be at least 1, got {request.max_new_tokens}")
+        if not request.prompt:
+            raise BadInput("the prompt has no tokens")
+        seq = Seq(request, waiter)
+        if seq.most > self.kv_bound:
+            raise self._cannot_fit(seq)
+        fresh = sum(1 for s in self.waiting if s.preemptions == 0)
+        if fresh >= self.settings.queue_cap:
+            raise Overloaded(f"this worker has {fresh} generation requests waiting (cap {self.settings.queue_cap}): "
+                             "retry shortly")
+        self.waiting.append(seq)
+        return seq
+
+    def cancel(self, seq: Seq, now: float) -> bool:
+        """The client went away: the sequence leaves wherever it is (a step in flight ignores it).
+        True when it was still live."""
+        if seq.status not in (Status.WAITING, Status.RUNNING):
+            return False
+        (self.waiting if seq.status is Status.WAITING else self.running).remove(seq)
+        seq.status, seq.ended_at = Status.CANCELLED, now
+        return True
+
+    def schedule(self, now: float) -> StepPlan:
+        """Plan the next step (see the module docstring for the rules, in the order applied here)."""
+        expired = self._expire(now)
+        preempted: list[Seq] = []
+        refused: list[Seq] = []
+        # waiting sequences that can never fit (the bound was learned lower after they came)
+        for seq in [s for s in self.waiting if s.most > self.kv_bound]:
+            self.waiting.remove(seq)
+            refused.append(self._end(seq, self._cannot_fit(seq), now))
+        # running sequences first: all decode, preempting down to the bound
+        decode = list(self.running)
+        kv = sum(seq.context for seq in decode)
+        while kv > self.kv_bound and decode:
+            victim = min(decode, key=_victim_order)
+            if len(decode) == 1:  # alone and still past the bound: it cannot run at all
+                self.running.remove(victim)
+                refused.append(self._end(victim, self._cannot_fit(victim), now))
+            else:
+                self._preempt(victim)
+                preempted.append(victim)
+            decode.remove(victim)
+            kv -= victim.context
+        tokens = len(decode)
+        prefill: list[Seq] = []
+        aging = self.settings.priority_aging
+        for seq in sorted(self.waiting, key=lambda s: (s.effective_priority(now, aging), s.request.arrived)):
+            if seq in preempted:  # not back in the same step it lost its seat
+                continue
+            over_budget = prefill and tokens + seq.context > self.settings.token_budget  # one prefill may exceed it
+            if over_budget:
+                break
+            seats = len(decode) + len(prefill) < self.settings.max_running
+            if not seats or kv + seq.context > self.kv_bound:
+                victims = self._make_room(seq, decode, kv, seats)
+                if victims is None:
+                    break  # in turn: later requests do not pass this one
+                for victim in victims:
+                    self._preempt(victim)
+                    decode.remove(victim)
+                    kv -= victim.context
+                    tokens -= 1
+                preempted.extend(victims)
+            self.waiting.remove(seq)
+            seq.status, seq.joined = Status.RUNNING, now
+            self.running.append(seq)
+            prefill.append(seq)
+            kv += seq.context
+            tokens += seq.context
+        return StepPlan(tuple(decode), tuple(prefill), tuple(preempted), tuple(expired), tuple(refused), tokens, kv)
+
+    def finished(self, plan: StepPlan, outcome: StepOutcome, now: float) -> list[Seq]:
+        """Settle a step; returns the sequences that end now (finished or failed), to be answered.
+        Sequences cancelled while the step ran are ignored."""
+        live = [seq for seq in plan.runs if seq.status is Status.RUNNING]
+        if outcome.out_of_memory:
+            self.out_of_memory_steps += 1
+            self.kv_bound = max(1, min(self.kv_bound, plan.kv_tokens - 1, int(plan.kv_tokens * self.settings.oom_backoff)))
+            for seq in plan.prefill:  # never got a cache: back to waiting, not a preemption
+                if seq.status is Status.RUNNING:
+                    self.running.remove(seq)
+                    seq.status = Status.WAITING
+                    self.waiting.append(seq)
+            return []
+        unsettled = [seq for seq in live if seq not in outcome.tokens and seq not in outcome.failed]
+        if unsettled:
+            raise RuntimeError(f"the step's outcome names neither a token nor a failure for {len(unsettled)} of its "
+                               f"{len(live)} sequences (first: {unsettled[0].rid})")
+        ended = []
+        for seq in live:
+            error = outcome.failed.get(seq)
+            if error is not None:
+                self.running.remove(seq)
+                ended.append(self._end(seq, error, now))
+                continue
+            if seq.first_token_at is None:
+                seq.first_token_at = now
+            if seq in outcome.eos:
+                seq.stop = "eos"
+            else:
+                seq.tokens.append(outcome.tokens[seq])
+                if len(seq.tokens) >= seq.request.max_new_tokens:
+                    seq.stop = "length"
+            if seq.stop:
+                self.running.remove(seq)
+                seq.status, seq.ended_at = Status.FINISHED, now
+                ended.append(seq)
+        return ended
+
+    def _expire(self, now: float) -> list[Seq]:
+        expired = []
+        for pool in (self.waiting, self.running):
+            for seq in [s for s in pool if s.request.deadline is not None and now >= s.request.deadline]:
+                pool.remove(seq)
+                expired.append(self._end(seq, DeadlineExceeded(
+                    "this request could not finish before its deadline: raise X-Deadline-Ms or retry"), now))
+        return expired
+
+    def _make_room(self, seq: Seq, decode: list[Seq], kv: int, seats: bool) -> list[Seq] | None:
+        """The running sequences of a lower class than `seq` whose preemption lets it join (a seat and
+        its KV), in victim order; None when preemption is off or cannot make enough room."""
+        if not self.settings.preempt_for_priority:
+            return None
+        victims: list[Seq] = []
+        for victim in sorted((s for s in decode if s.priority > seq.priority), key=_victim_order):
+            if seats and kv + seq.context <= self.kv_bound:
+                break
+            victims.append(victim)
+            kv -= victim.context
+            seats = True
+        if not seats or kv + seq.context > self.kv_bound:
+            return None
+        return victims
+
+    def _preempt(self, seq: Seq) -> None:
+        self.running.remove(seq)
+        seq.status = Status.WAITING
+        seq.preemptions += 1
+        self.preemptions += 1
+        self.waiting.append(seq)
+
+    def _end(self, seq: Seq, error: ServingError, now: float) -> Seq:
+        seq.status, seq.error, seq.ended_at = Status.FAILED, error, now
+        return seq
+
+    def _cannot_fit(self, seq: Seq) -> OutOfMemory:
+        return OutOfMemory(f"this request needs up to {seq.most} KV-cache tokens (prompt {len(seq.request.prompt)} + "
+                           f"max_new_tokens {seq.request.max_new_tokens}) and this worker holds {self.kv_bound}: "
+                           "ask for fewer new tokens or a shorter prompt")
+
+
+def model_failed(error: BaseException) -> ModelFailed:
+    """What a sequence whose own step raised is answered (500)."""
+    return ModelFailed(f"the model failed on this request: {type(error).__name__}: {error}")
+
+
+def produced_nan() -> ModelFailed:
+    return ModelFailed("the model produced NaN for this request")

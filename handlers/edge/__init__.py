@@ -1,0 +1,1 @@
+"""The TorchServe edge: the handler class, parsing and answers, configuration, metrics, the serving modes."""

@@ -1,0 +1,85 @@
+"""What the scheduler modes (continuous and async) share: the worker's Policy decides, its Lanes
+run the plans (handlers/core/policy.py, handlers/runtime/lanes.py), and each request is answered on its own
+Reply when its last text's batch ends. Admission reads the request's X-Priority and X-Deadline-Ms;
+a full queue, or a deadline the lane cannot meet, answers 503 at once.
+"""
+from __future__ import annotations
+
+import logging
+
+from tsbatch.handlers.core.buckets import Item
+from tsbatch.handlers.core.errors import BadInput, DeadlineExceeded, Overloaded, ServingError
+from tsbatch.handlers.core.policy import Policy, PolicySettings, Priority, Ticket
+from tsbatch.handlers.core.reply import Answer, Reply
+from tsbatch.handlers.edge import socket_guard
+from tsbatch.handlers.edge.stages import DEADLINE_HEADER, PRIORITY_HEADER, Call, request_headers
+from tsbatch.handlers.runtime.lanes import Lanes
+
+logger = logging.getLogger(__name__)
+
+
+def policy_for(worker, lanes: list[tuple[tuple, int]]) -> Policy:
+    """The worker's Policy: its configuration, its caps, its cost model and its lanes."""
+    return Policy(PolicySettings.of(worker.config, worker.edges), worker.cap_for, worker.cost,
+                  [lane for lane, _ in lanes], [t for _, t in lanes])
+
+
+class ScheduledMode:
+    name = "scheduled"
+
+    def __init__(self, worker, lanes: list[tuple[tuple[int, ...], int]]):
+        """`lanes`: the buckets each lane serves and the intra-op threads it gets."""
+        self.worker = worker
+        self.lanes = lanes
+        policy = policy_for(worker, lanes)
+        logger.info("tsbatch scheduler (%s mode): lanes (buckets, threads) %s, %s", self.name, lanes, policy.settings)
+        socket_guard.install()
+        self.engine = Lanes(policy, worker.isolator, on_answer=self._on_answer, on_batch=self._on_batch,
+                            on_lane_start=self._on_lane_start).start()
+
+    def close(self) -> None:
+        self.engine.stop()
+
+    def admit(self, items: list[Item], context, arrived: float, call: Call, may_wait: bool = True) -> Reply | None:
+        """Queue a request's items (one per text) whole, each ticket carrying the request's Reply,
+        or answer in `call` why it cannot be (bad headers, full queue, past its deadline): None."""
+        index = items[0].index
+        try:
+            priority, deadline = self._terms(context, index, arrived)
+            reply = Reply.of(items, deadline)
+            self.engine.submit([Ticket(item, arrived, priority, deadline, reply, may_wait) for item in items])
+            return reply
+        except ServingError as error:
+            if isinstance(error, Overloaded):
+                self.worker.metrics.rejected(error.reason)
+            call.fail(index, error)
+            return None
+
+    def _terms(self, context, index: int, now: float) -> tuple[Priority, float]:
+        """The request's priority and deadline (monotonic seconds), from its headers and the config."""
+        cfg = self.worker.config
+        headers = request_headers(context, index)
+        priority = Priority.parse(headers.get(PRIORITY_HEADER))
+        deadline_ms = cfg.deadline_ms
+        if headers.get(DEADLINE_HEADER) is not None:
+            try:
+                asked = int(headers[DEADLINE_HEADER])
+            except ValueError:
+                raise BadInput(f"X-Deadline-Ms must be a whole number of milliseconds, got {headers[DEADLINE_HEADER]!r}") from None
+            if asked < 1:
+                raise BadInput(f"X-Deadline-Ms must be positive, got {asked}")
+            deadline_ms = min(deadline_ms, asked)  # a client may shorten the deadline, not extend it
+        # the handler's own deadline ends deadline_margin_ms early, so the answer reaches the client in time
+        return priority, now + max(0, deadline_ms - cfg.deadline_margin_ms) / 1000
+
+    def _on_answer(self, ticket: Ticket, answer: Answer) -> None:
+        if isinstance(answer.outcome, DeadlineExceeded):
+            self.worker.metrics.deadline_missed(ticket.item.bucket)
+
+    def _on_batch(self, batch, tickets, report, started: float, finished: float) -> None:
+        for ticket in tickets:
+            self.worker.metrics.queue_wait(batch.bucket, ticket.priority.name.lower(), started - ticket.arrived)
+        self.worker.after_batch(batch, report)
+
+    def _on_lane_start(self, index: int) -> None:
+        self.worker.model.use_threads(self.lanes[index][1], background=index > 0)

@@ -1,0 +1,170 @@
+"""The generation engine's model runner: prefill and batched greedy decode of a causal LM with a KV cache.
+
+Chosen: each sequence owns a KV cache (a view of its row in the batch of its last step); a step
+runs on one transformers DynamicCache, the last step's batch as it is or one left-padded from the
+views. Not transformers' continuous batching (generate_batch, correct here): it runs its own
+scheduler loop and fails every request of a batch on one error; ours plans and isolates per step.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from tsbatch.handlers.core.errors import ConfigError, OutOfMemory
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, eq=False)
+class _Batch:
+    """The padded KV cache of the step that last grew a set of sequences: [rows, heads, length, head_dim] per layer."""
+
+    layers: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+    rows: int
+
+
+@dataclass(frozen=True)
+class SequenceCache:
+    """One sequence's KV cache: (keys, values) per layer, each [1, heads, length, head_dim] — a view
+    of row `row` of the step's `batch` without its padding. The next step of the same sequences in
+    the same order runs on that batch as it is; any other set is combined from the views (a
+    step's batch lives until every sequence of it has stepped again or left)."""
+
+    layers: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+    batch: _Batch | None = None
+    row: int = 0
+
+    @property
+    def length(self) -> int:
+        return self.layers[0][0].shape[-2]
+
+
+@dataclass(frozen=True)
+class RowResult:
+    """What one sequence got from a step: its greedy next token (None when its logits held NaN)
+    and its cache grown by the tokens it fed."""
+
+    token: int | None
+    cache: SequenceCache
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    return isinstance(error, (torch.OutOfMemoryError, MemoryError)) or (
+        isinstance(error, RuntimeError) and "out of memory" in str(error).lower())
+
+
+class GenerationRunner:
+    """A local causal-LM directory (safetensors weights, a tokenizer) and the two kinds of step."""
+
+    def __init__(self, model_dir: str, device: str = "cpu"):
+        from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+        from transformers.cache_utils import DynamicLayer
+
+        self.device = torch.device(device)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        self.lm = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, use_safetensors=True)
+        self.lm = self.lm.to(self.device).eval()
+        kinds = {type(layer).__name__ for layer in DynamicCache(config=self.lm.config).layers}
+        if kinds != {DynamicLayer.__name__}:
+            raise ConfigError(f"generation serves models whose KV cache is plain full attention; {model_dir} has "
+                              f"{sorted(kinds)} layers (sliding windows or recurrent state are not supported yet)")
+        self._cache_class = DynamicCache
+        # transformers 5 names the KV cache `cache` (argument and output); 4.x `past_key_values`
+        forward = inspect.signature(self.lm.forward).parameters
+        self._cache_name = "cache" if "cache" in forward else "past_key_values"
+        eos = self.lm.generation_config.eos_token_id
+        self.eos_ids = frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        config = self.lm.config.get_text_config(decoder=True)
+        self.max_positions = int(getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions"))
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else (min(self.eos_ids) if self.eos_ids else 0)  # masked anyway
+        try:  # one prefill and one decode step at load: a model these steps cannot drive fails here, not later
+            [probe] = self.prefill([[self.pad_id]])
+            self.decode([(self.pad_id, probe.cache)])
+        except Exception as error:
+            raise ConfigError(f"{model_dir} cannot run a generation step (prefill then decode with a KV cache): "
+                              f"{type(error).__name__}: {error}") from error
+        self.kv_bytes_per_token = sum(k.numel() * k.element_size() + v.numel() * v.element_size()
+                                      for k, v in probe.cache.layers)  # one token's cache
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def decode_text(self, tokens: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(tokens), skip_special_tokens=True)
+
+    @torch.inference_mode()
+    def prefill(self, contexts: Sequence[Sequence[int]]) -> list[RowResult]:
+        """Feed each context (prompt plus tokens so far) whole, left-padded to the longest; raises
+        OutOfMemory when the step does not fit."""
+        if not contexts:
+            return []
+        longest = max(len(c) for c in contexts)
+        ids = torch.full((len(contexts), longest), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(contexts), longest), dtype=torch.long)
+        for row, context in enumerate(contexts):
+            ids[row, longest - len(context):] = torch.tensor(list(context), dtype=torch.long)
+            mask[row, longest - len(context):] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = self._forward(ids, mask, positions, self._cache_class())
+        return self._split(out, [longest - len(c) for c in contexts])
+
+    @torch.inference_mode()
+    def decode(self, rows: Sequence[tuple[int, SequenceCache]]) -> list[RowResult]:
+        """Feed each sequence its last token over its own cache, in one batch; raises OutOfMemory
+        when the step does not fit."""
+        if not rows:
+            return []
+        lengths = [cache.length for _, cache in rows]
+        longest = max(lengths)
+        same = rows[0][1].batch
+        if same is not None and same.rows == len(rows) and all(c.batch is same and c.row == i for i, (_, c) in enumerate(rows)):
+            layers = list(same.layers)  # the sequences of the last step, in its order: no copy
+        else:
+            layers = [self._combine([cache.layers[layer] for _, cache in rows], lengths, longest)
+                      for layer in range(len(rows[0][1].layers))]
+        mask = torch.zeros((len(rows), longest + 1), dtype=torch.long)
+        for row, length in enumerate(lengths):
+            mask[row, longest - length:] = 1
+        ids = torch.tensor([[token] for token, _ in rows], dtype=torch.long)
+        positions = torch.tensor([[length] for length in lengths], dtype=torch.long)
+        out = self._forward(ids, mask, positions, self._cache_class(ddp_cache_data=layers))
+        return self._split(out, [longest - length for length in lengths])
+
+    @staticmethod
+    def _combine(per_row: list[tuple[torch.Tensor, torch.Tensor]], lengths: list[int], longest: int):
+        """One layer's (keys, values) of several sequences, left-padded with zeros to `longest`."""
+        keys, values = per_row[0]
+        shape = (len(per_row), keys.shape[1], longest, keys.shape[3])
+        batch_keys, batch_values = keys.new_zeros(shape), values.new_zeros(shape)
+        for row, (k, v) in enumerate(per_row):
+            batch_keys[row, :, longest - lengths[row]:] = k[0]
+            batch_values[row, :, longest - lengths[row]:] = v[0]
+        return batch_keys, batch_values
+
+    def _forward(self, ids, mask, positions, cache):
+        try:
+            return self.lm(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                           position_ids=positions.to(self.device), use_cache=True, logits_to_keep=1,
+                           **{self._cache_name: cache})
+        except Exception as error:
+            if not is_out_of_memory(error):
+                raise
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            raise OutOfMemory(f"a generation step of {ids.shape[0]} sequences ran out of memory: {error}") from error
+
+    def _split(self, out, padding: list[int]) -> list[RowResult]:
+        logits = out.logits[:, -1].float()
+        bad = torch.isnan(logits).any(dim=-1).tolist()
+        tokens = logits.argmax(dim=-1).tolist()
+        layers = tuple((keys, values) for keys, values, *_ in out[self._cache_name])
+        batch = _Batch(layers, len(padding))
+        return [RowResult(None if bad[row] else tokens[row],
+                          SequenceCache(tuple((k[row:row + 1, :, pad:], v[row:row + 1, :, pad:]) for k, v in layers),
+                                        batch, row))
+                for row, pad in enumerate(padding)]
