@@ -14,7 +14,7 @@ pytestmark = pytest.mark.unit
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 PURE = [
-    # handlers/core/
+    # handlers/core/: every module there (test_every_core_module_is_checked)
     "tsbatch.handlers.core.buckets",
     "tsbatch.handlers.core.cost",
     "tsbatch.handlers.core.errors",
@@ -80,6 +80,12 @@ def test_all_pure_modules_together_do_not_import_torch():
     assert imported_heavy_modules(*PURE) == []
 
 
+def test_every_core_module_is_checked():
+    """handlers/core/ is the pure core by its folder: a module added there is checked here too."""
+    core = sorted(n[:-3] for n in os.listdir(os.path.join(REPO, "handlers", "core")) if n.endswith(".py") and n != "__init__.py")
+    assert [f"tsbatch.handlers.core.{n}" for n in core] == [m for m in PURE if m.startswith("tsbatch.handlers.core.")]
+
+
 def test_the_probe_would_see_torch():
     """The check can fail: importing torch itself is seen (skipped where torch is not installed)."""
     if importlib.util.find_spec("torch") is None:  # find_spec does not import it here
@@ -92,6 +98,19 @@ def test_warmup_does_not_import_the_handler_package():
     env = {**os.environ, "PYTHONPATH": REPO}
     done = subprocess.run(
         [sys.executable, "-c", PROBE.format(heavy={"tsbatch.handlers"}), "tsbatch.warmup.plan", "tsbatch.warmup.run", "tsbatch.warmup.profile"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == []
+
+
+def test_the_core_imports_no_other_layer():
+    """handlers/core/ is under the other layers: runtime, edge, models and the API import it, never the reverse."""
+    env = {**os.environ, "PYTHONPATH": REPO}
+    layers = {"tsbatch.handlers.runtime", "tsbatch.handlers.edge", "tsbatch.handlers.models", "tsbatch.handlers.api"}
+    core = [m for m in PURE if m.startswith("tsbatch.handlers.core.")]
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE.format(heavy=layers), *core],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
     )
     assert done.returncode == 0, done.stderr
