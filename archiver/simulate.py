@@ -38,17 +38,20 @@ from tsbatch.warmup.profile import percentile
 WORKLOADS_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "workloads.json")
 Z90 = 1.2815515655446004  # the standard normal's 90th percentile
 SHORT_TOKENS = 64  # a request of at most this many tokens is "short" (as make bench counts)
+NICE_WEIGHT = 110 / 1024  # Linux's scheduler weight of a nice-10 thread (the long lane's) against nice 0
 
 
 @dataclass(frozen=True)
 class Overheads:
-    """What a request costs outside the passes. Defaults from the project's own measurements:
-    bench/results/saturation.md (frontend 0.181 + worker main thread 0.224 + client 0.086 cores at
-    116 req/s: 4.2 ms of a core per request) and the light-load breakdown of bench/results/
-    bench-search.md (outside the handler 5.2 ms per short request at 10 req/s)."""
+    """What a request costs outside the passes: CPU taken from the passes' cores, and time.
+    Defaults measured by bench/overheads.py (bench/results/overheads.md): the frontend, the load
+    generator and the worker's main thread per request under first-come batching, what each call
+    adds in continuous mode (TorchServe calls a worker that holds requests back to back), and a
+    short request's time outside the handler at light load."""
 
-    cpu_per_request: float = 0.0042  # core-seconds per request outside passes (all processes)
-    latency: float = 0.0052  # seconds a request spends outside the handler at light load
+    cpu_per_request: float = 0.0067  # core-seconds per request outside passes (all processes)
+    cpu_per_call: float = 0.0017  # core-seconds per continuous-mode call (the frontend's and the worker's)
+    latency: float = 0.0093  # seconds a request spends outside the handler at light load
     window: float = 1.0  # seconds over which the frontend's recent load is counted
 
 
@@ -186,6 +189,23 @@ def _interpolate(table, length: int, size: int) -> tuple[float, float]:
 
 # -- the machine ---------------------------------------------------------------------------------------
 
+def shares_of(demands: Sequence[tuple[float, float]], cores: int) -> list[float]:
+    """Each claimant's share of a core per thread, as Linux's fair scheduler divides `cores`:
+    (threads, weight per thread) each; a thread gets at most one core, and cores left over by
+    those capped go to the rest in proportion to weight."""
+    if sum(d for d, _ in demands) <= cores:
+        return [1.0] * len(demands)
+    capped: set[int] = set()
+    while True:
+        free = cores - sum(demands[i][0] for i in capped)
+        weight = sum(d * w for i, (d, w) in enumerate(demands) if i not in capped)
+        scale = free / weight if weight > 0 else 0.0
+        newly = {i for i, (d, w) in enumerate(demands) if i not in capped and d > 0 and scale * w >= 1.0}
+        if not newly:
+            return [1.0 if i in capped else min(1.0, scale * w) for i, (_, w) in enumerate(demands)]
+        capped |= newly
+
+
 class Simulation:
     """Events on one clock; passes share the cores with the per-request work outside them."""
 
@@ -195,10 +215,11 @@ class Simulation:
         self.now = 0.0
         self.events: list = []
         self.seq = itertools.count()
-        self.running: dict[int, list] = {}  # pass id -> [alone seconds left, threads, version, done]
-        self.rate = 1.0  # progress of a pass per second of simulated time
+        # pass id -> [alone seconds left, threads, version, done, weight per thread, progress per second]
+        self.running: dict[int, list] = {}
         self.seen = 0.0  # when `running` was last brought up to date
-        self.recent: list[float] = []  # arrival times within the frontend's window
+        self.recent: list[tuple[float, float]] = []  # (when, core-seconds) of outside work within the window
+        self.calls = 0  # continuous-mode calls (for the reports)
 
     def at(self, when: float, action: Callable[[], None]) -> None:
         heapq.heappush(self.events, (when, next(self.seq), action))
@@ -210,36 +231,51 @@ class Simulation:
             action()
 
     def arrived(self) -> None:
-        self.recent.append(self.now)
-        self._reflow()
+        self.outside(self.overheads.cpu_per_request)
 
-    def start(self, alone: float, threads: int, done: Callable[[], None]) -> None:
-        """Run a pass of `alone` seconds on `threads` threads; `done()` when it ends."""
+    def called(self) -> None:
+        """A continuous-mode call: TorchServe calls the worker back to back while it holds
+        requests, and every call costs the frontend and the worker's main thread CPU."""
+        self.calls += 1
+        self.outside(self.overheads.cpu_per_call)
+
+    def outside(self, cpu: float) -> None:
+        """Work outside the passes (frontend, protocol, parsing): it takes cores from them for the
+        window after it."""
+        if cpu > 0:
+            self.recent.append((self.now, cpu))
+            self._reflow()
+            self.at(self.now + self.overheads.window * (1 + 1e-9), self._reflow)  # when it leaves the window
+
+    def start(self, alone: float, threads: int, done: Callable[[], None], background: bool = False) -> None:
+        """Run a pass of `alone` seconds on `threads` threads; `done()` when it ends. A background
+        pass (a long lane's: its threads run at nice 10) yields the cores to everything else."""
         self._advance()
         pid = next(self.seq)
-        self.running[pid] = [alone, threads, 0, done]
+        self.running[pid] = [alone, threads, 0, done, NICE_WEIGHT if background else 1.0, 1.0]
         self._reflow(advanced=True)
 
     def _advance(self) -> None:
         elapsed = self.now - self.seen
         if elapsed > 0:
             for entry in self.running.values():
-                entry[0] -= elapsed * self.rate
+                entry[0] -= elapsed * entry[5]
         self.seen = self.now
 
     def _reflow(self, advanced: bool = False) -> None:
         if not advanced:
             self._advance()
         window = self.overheads.window
-        while self.recent and self.recent[0] < self.now - window:
+        while self.recent and self.recent[0][0] < self.now - window:
             self.recent.pop(0)
-        frontend = len(self.recent) / window * self.overheads.cpu_per_request
-        demand = sum(entry[1] for entry in self.running.values()) + frontend
-        self.rate = 1.0 / max(1.0, demand / self.cores)
-        for pid, entry in self.running.items():
+        outside = sum(cpu for _, cpu in self.recent) / window
+        demands = [(outside, 1.0)] + [(entry[1], entry[4]) for entry in self.running.values()]
+        shares = shares_of(demands, self.cores)[1:]
+        for (pid, entry), share in zip(self.running.items(), shares):
+            entry[5] = share ** entry[1]  # a team waits at every op for its slowest thread
             entry[2] += 1
             version = entry[2]
-            self.at(self.now + max(0.0, entry[0]) / self.rate, lambda pid=pid, version=version: self._end(pid, version))
+            self.at(self.now + max(0.0, entry[0]) / entry[5], lambda pid=pid, version=version: self._end(pid, version))
 
     def _end(self, pid: int, version: int) -> None:
         entry = self.running.get(pid)
@@ -285,6 +321,7 @@ class TsbatchWorker:
         now = self.sim.now
         if not self.alone and len(requests) >= max(2, self.arm.batch_size // 4) and not self.fleet.any_idle(self):
             requests = self._fit_call(requests)
+        self.sim.called()
         for index in requests:
             outcome = self.fleet.outcomes[index]
             length = min(outcome.tokens, self.max_length)
@@ -394,7 +431,7 @@ class TsbatchWorker:
             self._kick()
             self._maybe_return()
 
-        self.sim.start(alone, plan.threads, done)
+        self.sim.start(alone, plan.threads, done, background=plan.lane > 0)  # as scheduled.py lowers lane 1+
 
     def _finish(self, ticket: Ticket, status: int) -> None:
         index = ticket.item.index
@@ -540,6 +577,7 @@ class Point:
     throughput: float
     padding_waste: float | None
     latency: dict  # "all" | "short" | "long" -> {"p50", "p95", "p99", "n"} in ms
+    calls: int = 0  # continuous-mode calls
 
     def passes(self, target_ms: float) -> bool:
         """Served within the target: every request answered 200 and p99 under it."""
@@ -569,7 +607,7 @@ def simulate(arm: Arm, arrivals: Sequence[Arrival], profiles: dict[int, object],
         latency[kind] = {f"p{q}": (round(percentile(ms, q), 1) if ms else None) for q in (50, 95, 99)}
         latency[kind]["n"] = len(ms)
     return Point(rate, len(outcomes), len(ok), status, round(len(ok) / span, 2) if span > 0 else 0.0,
-                 round(1 - real / padded, 4) if padded else None, latency)
+                 round(1 - real / padded, 4) if padded else None, latency, sim.calls)
 
 
 def at_rate(arm: Arm, rate: float, tokens: Sequence[int], profiles, max_length: int, duration: float = 60.0,

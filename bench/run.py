@@ -123,15 +123,20 @@ def machine_limit(model_dir: str, texts: list[str], section: dict, seconds: floa
     return {**limits["served"], "sorted": limits["sorted"]}
 
 
+def tuned_model_config(store: str) -> dict:
+    """Arm t's model-config.yaml, as its .mar holds it."""
+    import yaml
+
+    with zipfile.ZipFile(os.path.join(store, "arm_t.mar")) as mar:
+        return yaml.safe_load(mar.read("model-config.yaml"))
+
+
 def served_section(store: str, arms: list[str]) -> dict:
     """The handler section the ceiling's shapes come from: the tuned arm's own model-config.yaml
     (read from its .mar) when it is served, else the template's."""
     if "t" not in arms:
         return {"task": "embedding"}
-    import yaml
-
-    with zipfile.ZipFile(os.path.join(store, "arm_t.mar")) as mar:
-        section = dict(yaml.safe_load(mar.read("model-config.yaml"))["handler"])
+    section = dict(tuned_model_config(store)["handler"])
     section.pop("model_dir", None)
     return section
 
@@ -185,6 +190,8 @@ def main(argv=None) -> int:
         use_cores(split, "server")  # the profile and the torchserve started next run on these
         store = build_arms(root, args.model_dir, arms, profile=args.profile)
         section = served_section(store, arms)
+        if "t" in arms:  # what the tuner shipped, so the simulator can serve this very configuration later
+            report["tuned_model_config"] = tuned_model_config(store)
         with server.local_server(os.path.join(root, "server"), store, [f"arm_{a}" for a in arms],
                                  timeout=900, max_request_size=1 << 22) as served:
             urls = {arm: f"{served.inference}/predictions/arm_{arm}" for arm in arms}

@@ -7,8 +7,9 @@ it (70% of first-come's capacity). Writes bench/results/simulator-vs-live.{json,
 
 `--profile`: the profile the tsbatch arms serve with (taken with their lanes' threads, as
 `tsbatch profile` does); `--profile-2t`: one taken with a single lane on every thread (handler
-long_lane_from: null), for first-come's two-thread passes. Arm t is tuned again from --profile
-exactly as `make bench` tuned it (tsbatch archive's default workload).
+long_lane_from: null), for first-come's two-thread passes. Arm t is served
+as the live run served it (the model-config.yaml make bench records), or, for a report without it,
+tuned again from --profile exactly as `make bench` tunes it (tsbatch archive's default workload).
 """
 from __future__ import annotations
 
@@ -52,8 +53,16 @@ def arms_for(live: dict, profile_path: str) -> dict[str, Arm]:
     }
     out = {name: known[name] for name in live["arms"] if name in known}
     if "t" in live["arms"]:
-        out["t"] = tuned_arm(profile_path, live["latency_target_ms"])
+        served = live.get("tuned_model_config")
+        out["t"] = served_arm(served) if served else tuned_arm(profile_path, live["latency_target_ms"])
     return out
+
+
+def served_arm(model_config: dict) -> Arm:
+    """Arm t as the live run served it: the model-config.yaml its .mar held."""
+    handler = {k: v for k, v in model_config["handler"].items() if k != "model_dir"}
+    return Arm("t", config=HandlerConfig.from_yaml(handler), workers=int(model_config.get("minWorkers", 1)),
+               batch_size=int(model_config.get("batchSize", 8)))
 
 
 def within(predicted, measured, share: float) -> bool | None:

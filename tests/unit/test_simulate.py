@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tsbatch.archiver.simulate import Arm, Overheads, PassTimes, Simulation, at_rate, capacity, poisson, workload_tokens
+from tsbatch.archiver.simulate import (Arm, Overheads, PassTimes, Simulation, at_rate, capacity, poisson, shares_of,
+                                      workload_tokens)
 from tsbatch.handlers.core.buckets import default_edges
 from tsbatch.handlers.edge.config import HandlerConfig
 from tsbatch.warmup.profile import LatencyProfile
@@ -77,16 +78,56 @@ def test_two_workers_share_the_cores_and_answer_everything():
 def test_passes_slow_down_when_their_threads_outnumber_the_cores():
     sim = Simulation(cores=2, overheads=Overheads(cpu_per_request=0.0))
     ends = {}
-    sim.at(0.0, lambda: sim.start(1.0, 2, lambda: ends.setdefault("a", sim.now)))
-    sim.at(0.0, lambda: sim.start(1.0, 2, lambda: ends.setdefault("b", sim.now)))
-    sim.at(0.0, lambda: sim.start(1.0, 1, lambda: ends.setdefault("alone", sim.now)))
+    sim.at(0.0, lambda: sim.start(1.0, 1, lambda: ends.setdefault("a", sim.now)))
+    sim.at(0.0, lambda: sim.start(1.0, 1, lambda: ends.setdefault("b", sim.now)))
+    sim.at(0.0, lambda: sim.start(1.0, 1, lambda: ends.setdefault("c", sim.now)))
     sim.run(100)
-    # 5 threads on 2 cores: each pass runs at 2/5 speed until the others end
-    assert ends["a"] == pytest.approx(2.5) and ends["alone"] == pytest.approx(2.5)
+    # 3 threads on 2 cores: each pass runs at 2/3 speed until they end together
+    assert ends["a"] == ends["b"] == ends["c"] == pytest.approx(1.5)
     lone = Simulation(cores=2, overheads=Overheads(cpu_per_request=0.0))
     lone.at(0.0, lambda: lone.start(1.0, 2, lambda: ends.setdefault("lone", lone.now)))
     lone.run(100)
     assert ends["lone"] == pytest.approx(1.0)
+
+
+def test_a_team_of_threads_waits_for_its_slowest_and_a_background_pass_yields():
+    sim = Simulation(cores=2, overheads=Overheads(cpu_per_request=0.0))
+    ends = {}
+    sim.at(0.0, lambda: sim.start(1.0, 2, lambda: ends.setdefault("team", sim.now)))
+    sim.at(0.0, lambda: sim.start(1.0, 1, lambda: ends.setdefault("one", sim.now)))
+    sim.run(100)
+    # 3 threads on 2 cores get 2/3 of a core each; the team of two needs both at once: (2/3)^2
+    assert ends["one"] == pytest.approx(1.5)
+    assert ends["team"] > ends["one"]
+    nice = Simulation(cores=1, overheads=Overheads(cpu_per_request=0.0))
+    nice.at(0.0, lambda: nice.start(1.0, 1, lambda: ends.setdefault("long", nice.now), background=True))
+    nice.at(0.0, lambda: nice.start(1.0, 1, lambda: ends.setdefault("short", nice.now)))
+    nice.run(100)
+    # one core: the nice-10 pass gets 110/1134 of it while the other runs, then all of it
+    assert ends["short"] == pytest.approx(1134 / 1024)
+    assert ends["long"] == pytest.approx(2.0)
+
+
+def test_shares_follow_the_fair_scheduler():
+    assert shares_of([(1, 1.0), (1, 1.0)], 2) == [1.0, 1.0]
+    assert shares_of([(2, 1.0), (2, 1.0)], 2) == [0.5, 0.5]
+    # a small claim is served whole; what it leaves is split by weight, no thread above one core
+    low, high, small = shares_of([(1, 0.1), (1, 1.0), (0.2, 1.0)], 2)
+    assert small == 1.0 and high == 1.0 and low == pytest.approx(0.8)
+    a, b = shares_of([(2, 0.1), (2, 1.0)], 2)
+    assert b == pytest.approx(2 / 2.2) and a == pytest.approx(0.1 * 2 / 2.2)
+
+
+def test_work_outside_the_passes_takes_cores_from_them():
+    ends = {}
+    for name, cpu in (("free", 0.0), ("busy", 0.5)):
+        sim = Simulation(cores=2, overheads=Overheads(cpu_per_request=cpu))
+        for k in range(4):  # 2 core-seconds of outside work over the first second
+            sim.at(0.0, sim.arrived)
+        sim.at(0.0, lambda sim=sim, name=name: sim.start(1.0, 2, lambda: ends.setdefault(name, sim.now)))
+        sim.run(100)
+    # the first second: 2 cores asked beside the team's 2, so a quarter of its work; the rest after
+    assert ends["free"] == pytest.approx(1.0) and ends["busy"] == pytest.approx(1.75)
 
 
 def test_pass_times_interpolate_unmeasured_shapes_and_keep_measured_ones():

