@@ -11,6 +11,7 @@ from typing import Any
 
 from tsbatch.handlers.edge.config import (DOCS, MODES, FaultInjection, FrontendConfig, HandlerConfig, Setting, declared,
                                           default_of)
+from tsbatch.handlers.edge.generation_api import GenerationConfig
 
 GENERATOR = "python -m tsbatch.archiver config-docs"
 
@@ -95,6 +96,15 @@ def render() -> str:
         "## `model:`",
         "",
         _model_section(),
+        "",
+        "## `handler:` of the generation handler (`task: generation`)",
+        "",
+        "`tsbatch archive --task generation` builds an archive of the built-in generation handler, which reads these "
+        "keys instead of the ones above (an unknown key fails the load, naming the nearest known one) and serves "
+        "only in async mode (`asyncCommunication: true`). The archiver writes every key with its value and reason; "
+        "none is tuned from a profile yet.",
+        "",
+        *_table(GenerationConfig),
         "",
     ]
     return "\n".join(lines)

@@ -456,9 +456,12 @@ class FrontendConfig:
         """Check a whole model-config.yaml as tsbatch writes it: its frontend keys here, its
         `handler:` and `model:` sections by HandlerConfig."""
         config = _mapping("model-config.yaml", config)
-        HandlerConfig.from_yaml(config.get("handler"), config.get("model"))
+        handler = check_handler(config.get("handler"), config.get("model"))
         frontend = {k: v for k, v in config.items() if k not in cls.SECTIONS}
         built = cls(**parse_section(cls, frontend, "model-config.yaml: ", "model-config.yaml"))
+        if not isinstance(handler, HandlerConfig) and not built.asyncCommunication:
+            raise ConfigError("model-config.yaml: the generation handler serves in async mode only: "
+                              "asyncCommunication: true")
         if built.continuousBatching and built.asyncCommunication:
             raise ConfigError("model-config.yaml sets both asyncCommunication and continuousBatching: TorchServe "
                               "cannot do both")
@@ -466,3 +469,17 @@ class FrontendConfig:
             raise ConfigError(f"model-config.yaml: maxWorkers ({built.maxWorkers}) must be at least minWorkers "
                               f"({built.minWorkers})")
         return built
+
+
+def check_handler(section: Mapping[str, Any] | None, model: Mapping[str, Any] | None = None):
+    """The `handler:` (and `model:`) section checked by the class of the handler that reads it:
+    `task: generation` is the built-in generation handler's GenerationConfig
+    (handlers/edge/generation_api.py), anything else HandlerConfig."""
+    from tsbatch.handlers.edge.generation_api import TASK, GenerationConfig  # it declares its keys with setting()
+
+    section = _mapping("handler", section)
+    if section.get("task") != TASK:
+        return HandlerConfig.from_yaml(section, model)
+    if model:
+        raise ConfigError("the generation handler reads no model: section: put its settings under handler:")
+    return GenerationConfig.from_section(section)

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import difflib
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 from tsbatch.handlers.core.errors import BadInput, ConfigError
 from tsbatch.handlers.core.generation_policy import GenerationSettings, Priority
+from tsbatch.handlers.edge.config import BOOL, POSITIVE_INT, STRING, Check, keys_of, optional, setting
 
 PRIORITY_HEADER = "x-priority"  # the encoder modes' names for the same two headers
 DEADLINE_HEADER = "x-deadline-ms"
@@ -24,42 +25,73 @@ TASK = "generation"
 EXAMPLE = 'send JSON {"text": "...", "max_new_tokens": N, "stream": false} or a plain-text body'
 
 
+def _generation_task(label: str, value: Any) -> str:
+    if value != TASK:
+        raise ConfigError(f"{label} must be {TASK!r} for the generation handler, got {value!r}")
+    return value
+
+
+def _cpu_or_auto(label: str, value: Any) -> str:
+    if value not in ("auto", "cpu"):
+        raise ConfigError(f"{label} must be auto or cpu, got {value!r}")
+    return value
+
+
+def _fraction(label: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ConfigError(f"{label} must be a fraction above 0 and at most 1, got {value!r}")
+    return float(value)
+
+
+def _setting(default: Any, doc: str, check: Check) -> Any:
+    """A generation key: read in async mode, the only one the generation handler serves in."""
+    return setting(default, doc, check, modes=("async",))
+
+
+GENERATION_TASK = Check("`generation`", _generation_task)
+CPU_OR_AUTO = Check("`auto` or `cpu`", _cpu_or_auto)
+FRACTION = Check("fraction (0 < f <= 1)", _fraction)
+
+
 @dataclass(frozen=True)
 class GenerationConfig:
-    """The `handler:` section of a generation model's model-config.yaml; one message per bad key."""
+    """The `handler:` section of a generation model's model-config.yaml; one message per bad key.
+    Each key is declared with _setting() as HandlerConfig's are (handlers/edge/config.py), so its
+    check and its documentation (docs/configuration.md) have one home."""
 
-    task: str = TASK
-    model_dir: str = "model"  # the model's files, relative to the archive's root
-    device: str = "auto"  # auto: the GPU TorchServe assigns, else the CPU; or cpu
-    torch_threads: int | None = None  # intra-op threads; None: torch's own
-    max_new_tokens: int = 256  # the most one request may ask for
-    default_new_tokens: int = 16  # what a request that names none gets
-    token_budget: int = 512  # tokens fed to the model in one step (a decode feeds 1, a prefill its prompt)
-    kv_bound: int = 16384  # KV-cache tokens live at once, all sequences together (learned lower on out of memory)
-    kv_memory_share: float = 0.8  # on CUDA: the bound is at most what this share of the free memory at load holds
-    max_running: int = 16  # sequences decoding in one step at most
-    queue_cap: int = 64  # requests waiting at most; past it 503
-    priority_aging_ms: int = 1000  # a waiting request gains one class per this many ms
-    preempt_for_priority: bool = True  # a waiting request may preempt running ones of a lower class
-    deadline_ms: int = 120000  # the longest a request may take in all; X-Deadline-Ms may only shorten it
+    task: str = _setting(TASK, "selects the built-in generation handler (`tsbatch archive --task generation`)",
+                        GENERATION_TASK)
+    model_dir: str = _setting("model", "the model's files, relative to the archive's root", STRING)
+    device: str = _setting("auto", "auto: the GPU TorchServe assigns, else the CPU; or cpu", CPU_OR_AUTO)
+    torch_threads: int | None = _setting(None, "intra-op threads of the worker", optional(POSITIVE_INT, "torch's own"))
+    max_new_tokens: int = _setting(256, "the most new tokens one request may ask for; more: 400", POSITIVE_INT)
+    default_new_tokens: int = _setting(16, "what a request that names no max_new_tokens gets", POSITIVE_INT)
+    token_budget: int = _setting(512, "tokens fed to the model in one step (a decode feeds 1, a prefill its prompt)",
+                                POSITIVE_INT)
+    kv_bound: int = _setting(16384, "KV-cache tokens live at once, all sequences together (learned lower on out of "
+                                   "memory); on CUDA at most what kv_memory_share of the free memory holds",
+                            POSITIVE_INT)
+    kv_memory_share: float = _setting(0.8, "on CUDA: the share of the device's free memory at load the KV cache may "
+                                          "take", FRACTION)
+    max_running: int = _setting(16, "sequences decoding in one step at most", POSITIVE_INT)
+    queue_cap: int = _setting(64, "requests waiting at most; past it 503 with Retry-After", POSITIVE_INT)
+    priority_aging_ms: int = _setting(1000, "a waiting request gains one priority class per this many ms",
+                                     POSITIVE_INT)
+    preempt_for_priority: bool = _setting(True, "a waiting request may preempt running ones of a lower class "
+                                               "(recomputed later)", BOOL)
+    deadline_ms: int = _setting(120000, "the longest a request may take in all (504 past it); X-Deadline-Ms may "
+                                       "only shorten it", POSITIVE_INT)
 
     @classmethod
     def from_section(cls, section: Mapping[str, Any] | None) -> "GenerationConfig":
         section = dict(section or {})
-        known = {f.name: f for f in fields(cls)}
+        known = keys_of(cls)
         for key in section:
             if key not in known:
-                near = difflib.get_close_matches(key, known, n=1)
+                near = difflib.get_close_matches(str(key), known, n=1)
                 raise ConfigError(f"handler.{key} is not a generation setting"
                                   + (f" (did you mean {near[0]}?)" if near else f"; known: {', '.join(known)}"))
-        values = {}
-        for key, value in section.items():
-            values[key] = _check(key, value, cls.__dataclass_fields__[key].default)
-        config = cls(**values)
-        if config.task != TASK:
-            raise ConfigError(f"handler.task must be {TASK!r} for the generation handler, got {config.task!r}")
-        if config.device not in ("auto", "cpu"):
-            raise ConfigError(f"handler.device must be auto or cpu, got {config.device!r}")
+        config = cls(**{key: known[key].check(f"handler.{key}", value) for key, value in section.items()})
         if config.default_new_tokens > config.max_new_tokens:
             raise ConfigError(f"handler.default_new_tokens ({config.default_new_tokens}) must be at most "
                               f"max_new_tokens ({config.max_new_tokens})")
@@ -78,25 +110,6 @@ def kv_bound_for(free_bytes: int, bytes_per_token: int, share: float) -> int:
     """KV-cache tokens that `share` of `free_bytes` holds (at least 1: the policy refuses what
     cannot fit, and out of memory lowers it further)."""
     return max(1, int(free_bytes * share) // max(1, bytes_per_token))
-
-
-def _check(key: str, value: Any, default: Any) -> Any:
-    label = f"handler.{key}"
-    if key == "kv_memory_share":
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-            raise ConfigError(f"{label} must be a fraction above 0 and at most 1, got {value!r}")
-        return float(value)
-    if isinstance(default, bool):
-        if not isinstance(value, bool):
-            raise ConfigError(f"{label} must be true or false, got {value!r}")
-    elif isinstance(default, int) or key == "torch_threads":
-        if value is None and key == "torch_threads":
-            return None
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{label} must be a positive integer, got {value!r}")
-    elif isinstance(default, str) and not isinstance(value, str):
-        raise ConfigError(f"{label} must be a string, got {value!r}")
-    return value
 
 
 @dataclass(frozen=True)

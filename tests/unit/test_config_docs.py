@@ -13,11 +13,13 @@ from tsbatch.archiver.config_docs import render
 from tsbatch.handlers.core.errors import ConfigError
 from tsbatch.handlers.edge.config import (POSITIVE_INT, Check, FaultInjection, FrontendConfig, HandlerConfig, Setting,
                                           declared, keys_of, setting)
+from tsbatch.handlers.edge.generation_api import GenerationConfig
 
 pytestmark = pytest.mark.unit
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CLASSES = (FrontendConfig, HandlerConfig, FaultInjection)
+CLASSES = (FrontendConfig, HandlerConfig, FaultInjection, GenerationConfig)
+GENERATION_SECTION = "## `handler:` of the generation handler"  # the generation handler's keys, after the encoder's
 FIELDS = [(cls, f, meta) for cls in CLASSES for f, meta in declared(cls)]
 IDS = [f"{cls.__name__}.{f.name}" for cls, f, _ in FIELDS]
 
@@ -43,6 +45,9 @@ def reach(cls, name: str, value):
         return FrontendConfig.from_yaml({name: value})
     if cls is FaultInjection:
         return HandlerConfig.from_yaml({"fault_injection": {name: value}})
+    if cls is GenerationConfig:
+        return FrontendConfig.from_yaml({"asyncCommunication": True, "continuousBatching": False,
+                                         "handler": {"task": "generation", name: value}})
     if name == "model":
         return HandlerConfig.from_yaml({}, value)
     return HandlerConfig.from_yaml({name: value})
@@ -50,7 +55,8 @@ def reach(cls, name: str, value):
 
 @pytest.mark.parametrize("cls, f, meta", FIELDS, ids=IDS)
 def test_every_key_is_validated_when_read_naming_itself_and_what_it_got(cls, f, meta):
-    label = {FaultInjection: "handler.fault_injection.", HandlerConfig: "handler."}.get(cls, "model-config.yaml: ")
+    label = {FaultInjection: "handler.fault_injection.", HandlerConfig: "handler.",
+             GenerationConfig: "handler."}.get(cls, "model-config.yaml: ")
     label = "model" if f.name == "model" else label + f.name
     with pytest.raises(ConfigError) as caught:
         reach(cls, f.name, NoYamlValue())
@@ -65,11 +71,11 @@ def test_the_docs_file_is_what_the_generator_writes_now():
 
 
 def test_the_docs_list_every_key_once():
-    text = render()
+    encoder, generation = render().split(GENERATION_SECTION)
     for cls, f, meta in FIELDS:
         prefix = "fault_injection." if cls is FaultInjection else ""
         marker = "`model:` (" if f.name == "model" else f"| `{prefix}{f.name}` |"
-        assert text.count(marker) == 1, marker
+        assert (generation if cls is GenerationConfig else encoder).count(marker) == 1, marker
 
 
 def test_the_cli_prints_the_same_text(capsys):
