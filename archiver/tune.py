@@ -98,6 +98,7 @@ class Tuning:
     workload: str | None = None
     chosen: str | None = None
     reference_rate: float | None = None  # req/s at which each candidate's short p99 was predicted
+    skipped: str | None = None  # why nothing was tuned from a profile (the generation handler: tune_generation.py)
 
     def frontend_values(self) -> dict[str, Any]:
         return {key: choice.value for key, choice in self.frontend.items()}

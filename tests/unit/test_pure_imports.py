@@ -32,6 +32,7 @@ PURE = [
     "tsbatch.handlers.edge.config",
     "tsbatch.handlers.edge.envelopes",
     "tsbatch.handlers.edge.generation_api",
+    "tsbatch.handlers.edge.generation_handler",  # torch loads in initialize()
     "tsbatch.handlers.edge.metrics",
     "tsbatch.handlers.edge.parse",
     "tsbatch.handlers.edge.siblings",
@@ -46,6 +47,7 @@ PURE = [
     # handlers/models/
     "tsbatch.handlers.models.entities",
     "tsbatch.handlers.models.encoder_handler",  # torch loads only when a model is loaded
+    "tsbatch.handlers.models.causal_lm_handler",  # the same
     "tsbatch.handlers.api",
     "tsbatch.warmup.plan",
     "tsbatch.warmup.run",
