@@ -41,7 +41,8 @@ def markdown(report: dict, labels: dict[str, str]) -> str:
              f"Latency target p99 ≤ {report['latency_target_ms']} ms.",
              f"Windows: {report['duration']} s per arm and rate, arms interleaved at each rate, latency timed "
              "from each request's scheduled arrival; capacity is the rate before the first one that misses the "
-             "target, each arm's knee then bisected twice (one more window per arm each time); at 70% of (b)'s "
+             "target (a first miss with a pass above it is measured again: a rate misses when both windows do), "
+             "each arm's knee then bisected twice (one more window per arm each time); at 70% of (b)'s "
              f"capacity {report['rounds']} interleaved windows per arm, pooled."
              + (f" Cores: {cores_note(report['cores'])}." if report.get("cores") else "")] + workload_lines(report) + ["",
              "| arm | capacity at target (req/s) | max throughput (req/s) | padding waste | short p99 @70% of b (ms) | long p99 @70% of b (ms) | lost @70% | short p50 / p99, one in flight (ms) |",

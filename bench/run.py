@@ -43,7 +43,8 @@ from tsbatch.archiver.tune import frontend_keys  # noqa: E402
 from bench.loadtest import report as reports  # noqa: E402
 from bench.loadtest import corpus  # noqa: E402
 from bench.loadtest.proc import split_cores, use_cores  # noqa: E402
-from bench.loadtest.sweep import at_rate_interleaved, capacity, floor, measure, passes, refine, sweep_interleaved  # noqa: E402
+from bench.loadtest.sweep import (at_rate_interleaved, capacity, confirm, floor, measure, passes, refine,  # noqa: E402
+                                  sweep_interleaved)
 from bench.loadtest.workload import WORKLOADS, histogram, token_counter, workload  # noqa: E402
 from bench import light  # noqa: E402
 from bench.compare import build as tsbatch_archive  # noqa: E402
@@ -223,6 +224,7 @@ def measure_arms(args, report: dict, urls: dict[str, str], rates: list[float], r
     for arm in arms:
         measure(urls[arm], 4, 3, seed=1, requests=requests)  # first requests: not measured
     sweeps = sweep_interleaved(urls, rates, args.duration, args.target_ms, requests=requests)
+    confirm(urls, sweeps, args.duration, args.target_ms, requests=requests)
     refine(urls, sweeps, args.duration, args.target_ms, requests=requests)
     if not args.no_limit:  # now, while the server idles: in the same minutes as the sweep's top rates
         use_cores(report["cores"], "server")  # the model in process gets the server's cores

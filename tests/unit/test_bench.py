@@ -3,7 +3,7 @@ from bench.idle_bench import slowdown
 from bench.loadtest.load import Result, RunResult
 from bench.loadtest.stats import summarize
 from bench.loadtest import sweep as sweeps
-from bench.loadtest.sweep import capacity, knee, passes, pooled, refine, rotated, saturated
+from bench.loadtest.sweep import capacity, confirm, knee, passes, pooled, refine, rotated, saturated
 
 
 def point(rate, p99, sent=100, ok=None, lost=0, throughput=None):
@@ -51,6 +51,30 @@ def test_refine_bisects_each_arms_knee_and_the_capacity_follows(monkeypatch):
     assert sent == [("x", 52.0), ("y", 60.0), ("y", 62.0), ("x", 54.0)]
     assert capacity(found["x"], 500) == 52 and capacity(found["y"], 500) == 60
     assert [p["offered_rate"] for p in found["x"]] == sorted(p["offered_rate"] for p in found["x"])
+
+
+def test_a_first_miss_with_a_pass_above_it_is_measured_again_and_stands_only_if_missed_twice(monkeypatch):
+    """Arm x stalled once at 16 (it serves 40); arm y really misses 24 and passes 32 by luck; arm z's
+    first miss has nothing passing above it: not measured again."""
+    served = {"x": 40, "y": 20, "z": 20}
+    sent = []
+
+    def fake_window(url, rate, duration, seed, requests=None):
+        sent.append((url, rate))
+        return url, rate
+
+    monkeypatch.setattr(sweeps, "window", fake_window)
+    monkeypatch.setattr(sweeps, "summarize", lambda run: {**point(run[1], 100 if run[1] <= served[run[0]] else 900),
+                                                          "short": {"p99": 50}, "status": {}})
+    found = {"x": [point(8, 100), point(16, 700), point(24, 200), point(32, 300), point(48, 900)],
+             "y": [point(8, 100), point(16, 200), point(24, 600), point(32, 450), point(40, 900)],
+             "z": [point(8, 100), point(16, 200), point(24, 900)]}
+    confirm({"x": "x", "y": "y", "z": "z"}, found, 1.0, 500)
+    assert sorted(sent) == [("x", 16), ("y", 24)]
+    assert capacity(found["x"], 500) == 32  # 16 passed its second window; 48 is the miss that stands
+    assert capacity(found["y"], 500) == 16  # missed twice: the lucky 32 does not count
+    assert capacity(found["z"], 500) == 16
+    assert knee(found["x"], 500) == (32, 48)
 
 
 def test_saturation_needs_more_than_a_missed_target():
