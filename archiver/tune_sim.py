@@ -20,6 +20,7 @@ from typing import Any, Mapping
 from tsbatch.archiver.simulate import Arm, Overheads, at_rate, capacity, workload_tokens
 from tsbatch.archiver.tune import Choice, TuneError, Tuning
 from tsbatch.handlers.core.buckets import longest
+from tsbatch.handlers.core.policy import lane_threads
 from tsbatch.handlers.edge.config import HandlerConfig
 
 DEFAULT_WORKLOAD = "search"  # queries and passages: the traffic most encoder deployments see
@@ -142,7 +143,7 @@ def _lane_threads(candidate: Candidate, section: Mapping[str, Any]) -> int:
     """The intra-op threads each of the candidate's lanes would run a pass on."""
     config = HandlerConfig.from_yaml({**candidate.handler, **section})
     lanes = 1 if config.long_lane_from is None else 2
-    return max(1, (config.torch_threads or 1) // lanes)
+    return lane_threads(config.torch_threads or 1, lanes)
 
 
 def _arm(candidate: Candidate, section: Mapping[str, Any]) -> Arm:

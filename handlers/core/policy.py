@@ -130,6 +130,25 @@ def split_lanes(edges: Sequence[Bucket], long_lane_from: int | None) -> list[tup
     return [lane for lane in (short, long) if lane]
 
 
+def lane_threads(threads: int, lanes: int) -> int:
+    """The intra-op threads each lane gets: a share of the worker's, so lanes busy at once never
+    oversubscribe the cores (OpenMP teams that outnumber the cores spin against each other)."""
+    return max(1, threads // max(1, lanes))
+
+
+def deadline_at(now: float, deadline_ms: int, margin_ms: int) -> float:
+    """The worker's own deadline for a request taken in at `now`: `margin_ms` early, kept for
+    what the worker cannot see (the reply's way back through the frontend)."""
+    return now + max(0, deadline_ms - margin_ms) / 1000
+
+
+def call_hold(poll: float, free_in: float) -> float:
+    """How long a continuous-mode call with nothing done waits before it goes back to the
+    frontend for new arrivals: `poll` while a lane is idle, else until `poll` before the first
+    busy lane should be free (`free_in`), so what arrived meanwhile is in for its next batch."""
+    return max(poll, free_in - poll)
+
+
 class Arrivals:
     """Recent arrivals: the median gap between the last RECENT of them (one lull before a burst
     does not hide the burst)."""

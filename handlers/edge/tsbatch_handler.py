@@ -18,7 +18,7 @@ from dataclasses import replace
 from tsbatch.handlers.api import Model, device_type
 from tsbatch.handlers.core.buckets import Bucket
 from tsbatch.handlers.core.isolate import Isolator
-from tsbatch.handlers.core.policy import split_lanes
+from tsbatch.handlers.core.policy import lane_threads, split_lanes
 from tsbatch.handlers.edge.config import HandlerConfig
 from tsbatch.handlers.edge.metrics import Metrics
 from tsbatch.handlers.edge.modes import make_mode, serving_mode
@@ -147,7 +147,7 @@ class TsbatchHandler:
         teams that outnumber the cores spin against each other: warmup of 3 workers x 2 lanes x
         2 threads on 2 cores ran 5x slower than with 1 thread a lane)."""
         lanes = split_lanes(self.worker.edges, self.worker.config.long_lane_from)
-        threads = max(1, (self.worker.model.describe().get("torch_threads") or usable_cores()) // len(lanes))
+        threads = lane_threads(self.worker.model.describe().get("torch_threads") or usable_cores(), len(lanes))
         return [(lane, threads) for lane in lanes]
 
     def _free_memory(self, shape, error) -> None:

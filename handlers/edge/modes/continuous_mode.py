@@ -18,7 +18,7 @@ import time
 
 from tsbatch.handlers.core.buckets import Item
 from tsbatch.handlers.core.errors import Overloaded
-from tsbatch.handlers.core.policy import fits_call
+from tsbatch.handlers.core.policy import call_hold, fits_call
 from tsbatch.handlers.core.reply import Answer, Reply
 from tsbatch.handlers.edge.modes.scheduled import ScheduledMode
 from tsbatch.handlers.edge.stages import Call, answer, by_request, prepare
@@ -110,7 +110,7 @@ class ContinuousMode(ScheduledMode):
         how many requests the next call re-sends, but never past a finished request's own deadline
         (which already keeps `deadline_margin_ms` for the reply's way out). Called under cond."""
         poll = self.worker.config.poll_ms / 1000
-        hold = max(poll, self.engine.free_in() - poll)
+        hold = call_hold(poll, self.engine.free_in())
         self.cond.wait_for(lambda: any(self._done(rid) for rid in mine), timeout=hold)
         while (left := self._reply_due(mine) - time.monotonic()) > 0:
             self.cond.wait(timeout=left)  # a lane that settles a request wakes it to look again
