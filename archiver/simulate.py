@@ -3,9 +3,10 @@
 `tsbatch tune` asks it which configuration to ship and `tsbatch simulate` answers "what would this
 archive do under that traffic" in seconds. A tsbatch arm runs the very Policy the lane threads run
 (handlers/core/policy.py), with pass times drawn from the latency profile with its spread (lognormal
-through the shape's median and p90), on cores shared by processor sharing: every running pass's
-threads and the per-request work outside passes (TorchServe's frontend, its protocol, parsing and
-JSON) divide the machine's cores, and passes slow down when they outnumber them. The continuous
+through the shape's median and p90), on cores shared as Linux's fair scheduler shares them: every
+running pass's threads and the work outside passes (TorchServe's frontend, its protocol, parsing
+and JSON: per request, and per continuous-mode call) claim cores, the long lane's nice-10 threads
+yield to the rest, and a team of intra-op threads waits for its slowest thread. The continuous
 mode's call cycle is modelled as TorchServe drives it: a worker holding requests takes new ones in
 only when its call returns (a request done, or its `poll_ms` hold, replies paced as
 handlers/edge/modes/continuous_mode.reply_pace says); a worker with siblings answers each call whole and
@@ -14,7 +15,9 @@ TorchServe's own batching (batchSize, maxBatchDelay, a batch padded to its longe
 max_length), the controls of `make bench`.
 
 Pure and deterministic: no torch, no clock, no threads; the same inputs and seed give the same
-figures. What it does not model: the GIL, memory bandwidth, and a machine whose speed drifts.
+figures. What it does not model but measures as one factor on tsbatch's passes (Overheads'
+pass_factor): the GIL the worker's main thread holds beside the lanes, and memory traffic. Not at
+all: a core gone cold in an idle pause, and a machine whose speed drifts.
 """
 from __future__ import annotations
 
@@ -32,7 +35,8 @@ from tsbatch.handlers.edge.config import HandlerConfig
 from tsbatch.handlers.core.cost import CostModel
 from tsbatch.handlers.core.errors import Overloaded
 from tsbatch.handlers.edge.modes.continuous_mode import reply_pace
-from tsbatch.handlers.core.policy import Plan, Policy, PolicySettings, Ticket, fits_call, split_lanes
+from tsbatch.handlers.core.policy import (Plan, Policy, PolicySettings, Ticket, call_hold, deadline_at, fits_call, lane_threads,
+                                         split_lanes)
 from tsbatch.warmup.profile import percentile
 
 WORKLOADS_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "workloads.json")
@@ -46,12 +50,16 @@ class Overheads:
     """What a request costs outside the passes: CPU taken from the passes' cores, and time.
     Defaults measured by bench/overheads.py (bench/results/overheads.md): the frontend, the load
     generator and the worker's main thread per request under first-come batching, what each call
-    adds in continuous mode (TorchServe calls a worker that holds requests back to back), and a
-    short request's time outside the handler at light load."""
+    adds in continuous mode (TorchServe calls a worker that holds requests back to back), a short
+    request's time outside the handler at light load, and how much longer a pass takes served than
+    profiled (from a make bench run's x-tsbatch-timing)."""
 
     cpu_per_request: float = 0.0067  # core-seconds per request outside passes (all processes)
-    cpu_per_call: float = 0.0017  # core-seconds per continuous-mode call (the frontend's and the worker's)
+    cpu_per_call: float = 0.0016  # core-seconds per continuous-mode call (the frontend's and the worker's)
     latency: float = 0.0093  # seconds a request spends outside the handler at light load
+    # a tsbatch pass served takes this many times its profiled time: the worker's main thread
+    # (protocol, tokenizing, JSON) holds the GIL beside the lanes, and the lanes share memory traffic
+    pass_factor: float = 1.25
     window: float = 1.0  # seconds over which the frontend's recent load is counted
 
 
@@ -82,6 +90,7 @@ class Outcome:
     status: int = 0  # 0: not answered when the simulation ended
     answered: float = 0.0
     padded_to: int = 0
+    pass_seconds: float = 0.0  # how long its pass took, served (slowed by what ran beside it)
 
     @property
     def kind(self) -> str:
@@ -299,7 +308,7 @@ class TsbatchWorker:
         self.max_length = max_length
         threads = arm.threads or cfg.torch_threads or max(1, sim.cores // arm.workers)
         lanes = split_lanes(self.edges, cfg.long_lane_from)
-        self.lane_threads = max(1, threads // len(lanes))
+        self.lane_threads = lane_threads(threads, len(lanes))
         self.policy = Policy(PolicySettings.of(cfg, self.edges), cfg.batch_limit, times.cost_for(self.lane_threads), lanes,
                              [self.lane_threads] * len(lanes))
         self.alone = alone
@@ -326,7 +335,7 @@ class TsbatchWorker:
             outcome = self.fleet.outcomes[index]
             length = min(outcome.tokens, self.max_length)
             bucket = bucket_for(length, self.edges)
-            deadline = now + max(0, self.arm.config.deadline_ms - self.arm.config.deadline_margin_ms) / 1000
+            deadline = deadline_at(now, self.arm.config.deadline_ms, self.arm.config.deadline_margin_ms)
             ticket = Ticket(Item(index=index, text="", length=length, bucket=bucket), now, deadline=deadline,
                             may_wait=self.alone)
             try:
@@ -354,7 +363,7 @@ class TsbatchWorker:
 
     def _hold(self) -> float:
         poll = self.arm.config.poll_ms / 1000
-        return max(poll, self.policy.free_in(self.sim.now) - poll)
+        return call_hold(poll, self.policy.free_in(self.sim.now))
 
     def _hold_over(self, call: int) -> None:
         if call == self.call and self.in_call and not self.returning:
@@ -420,13 +429,16 @@ class TsbatchWorker:
     def _run(self, plan: Plan) -> None:
         batch = plan.batch
         alone = self.times.draw(length=bucket_tokens(batch.bucket), size=batch.size, threads=plan.threads)
+        alone *= self.sim.overheads.pass_factor
+        started = self.sim.now
 
         def done() -> None:
             now = self.sim.now
             self.policy.finished(plan, now)
             for ticket in plan.tickets:
                 late = ticket.deadline is not None and now > ticket.deadline
-                self.fleet.outcomes[ticket.item.index].padded_to = bucket_tokens(batch.bucket)
+                outcome = self.fleet.outcomes[ticket.item.index]
+                outcome.padded_to, outcome.pass_seconds = bucket_tokens(batch.bucket), now - started
                 self._finish(ticket, 504 if late else 200)
             self._kick()
             self._maybe_return()
@@ -482,10 +494,12 @@ class FirstComeWorker:
         lengths = [min(self.fleet.outcomes[i].tokens, self.max_length) for i in batch]
         padded = self.max_length if self.arm.pad == "max" else max(lengths)
         alone = self.times.draw(length=padded, size=len(batch), threads=self.threads)
+        started = self.sim.now
 
         def done() -> None:
             for index in batch:
-                self.fleet.outcomes[index].padded_to = padded
+                outcome = self.fleet.outcomes[index]
+                outcome.padded_to, outcome.pass_seconds = padded, self.sim.now - started
                 self.fleet.answer(index, 200, self.sim.now)
             self.busy = False
             self.fleet.returned(self)
@@ -576,7 +590,7 @@ class Point:
     status: dict
     throughput: float
     padding_waste: float | None
-    latency: dict  # "all" | "short" | "long" -> {"p50", "p95", "p99", "n"} in ms
+    latency: dict  # "all" | "short" | "long" -> {"p50", "p95", "p99", "n", "pass_p50"} in ms (pass_p50: its passes')
     calls: int = 0  # continuous-mode calls
 
     def passes(self, target_ms: float) -> bool:
@@ -606,6 +620,8 @@ def simulate(arm: Arm, arrivals: Sequence[Arrival], profiles: dict[int, object],
         ms = [(o.answered - o.arrival) * 1000 for o in ok if kind == "all" or o.kind == kind]
         latency[kind] = {f"p{q}": (round(percentile(ms, q), 1) if ms else None) for q in (50, 95, 99)}
         latency[kind]["n"] = len(ms)
+        passes = [o.pass_seconds * 1000 for o in ok if (kind == "all" or o.kind == kind) and o.pass_seconds]
+        latency[kind]["pass_p50"] = round(percentile(passes, 50), 1) if passes else None
     return Point(rate, len(outcomes), len(ok), status, round(len(ok) / span, 2) if span > 0 else 0.0,
                  round(1 - real / padded, 4) if padded else None, latency, sim.calls)
 

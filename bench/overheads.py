@@ -95,6 +95,26 @@ def fit(report: dict, profiles: dict) -> dict:
             "calls_per_s_simulated": {f"{p['offered_rate']:g}": round(c, 1) for p, (_, c) in zip(report["arms"]["d"], rows)}}
 
 
+def fit_pass_factor(bench: dict, profiles: dict, overheads: Overheads) -> dict:
+    """How much longer a tsbatch pass takes served than profiled: the median, over arm d's sweep
+    rates from half its capacity to its capacity in a make bench report, of the median short pass
+    its x-tsbatch-timing reported over the one the simulator (at pass_factor 1) serves there."""
+    template = HandlerConfig.from_yaml({"task": "embedding"})
+    arm = Arm("d", config=template, batch_size=template.queue_cap + 32)
+    tokens = workload_tokens(bench["workload"])
+    max_length = max(s.bucket for s in next(iter(profiles.values())).shapes if isinstance(s.bucket, int))
+    top = bench["arms"]["d"]["capacity"]
+    ratios = {}
+    for point in bench["arms"]["d"]["sweep"]:
+        rate, live = point["offered_rate"], point.get("short_breakdown_ms", {}).get("pass")
+        if live and top / 2 <= rate <= top:
+            simulated = at_rate(arm, rate, tokens, profiles, max_length, 60.0, 0, overheads=overheads)
+            ratios[f"{rate:g}"] = round(live / simulated.latency["short"]["pass_p50"], 3)
+    values = sorted(ratios.values())
+    return {"pass_factor": values[len(values) // 2] if values else 1.0, "ratios": ratios,
+            "from": f"{bench['workload']} run of {bench['when']}"}
+
+
 def markdown(report: dict) -> str:
     lines = [f"# What a request costs outside the passes ({report['when']})", "",
              f"Machine: {report['machine']}. Command: `{report['command']}`. Workload `{report['workload']}`, "
@@ -115,6 +135,10 @@ def markdown(report: dict) -> str:
               f"`cpu_per_request` {f['cpu_per_request']} s (first-come's median), `cpu_per_call` "
               f"{f['cpu_per_call']} s per continuous-mode call (simulated calls per second at each rate: "
               f"{f['calls_per_s_simulated']}), `latency` {f['latency']} s.", ""]
+    if report.get("passes"):
+        p = report["passes"]
+        lines += [f"`pass_factor` {p['pass_factor']}: a served short pass over the simulated one, median over arm d's "
+                  f"rates from half its capacity to its capacity in the make bench {p['from']} ({p['ratios']}).", ""]
     return "\n".join(lines)
 
 
@@ -128,12 +152,19 @@ def main(argv=None) -> int:
     parser.add_argument("--profile-2t", default=os.path.join(reports.RESULTS, "simulator-profile-2t.json"))
     parser.add_argument("--out", default=os.path.join(reports.RESULTS, "overheads"))
     parser.add_argument("--refit", metavar="JSON", help="fit again from an earlier report's measurements (no serving)")
+    parser.add_argument("--bench", metavar="JSON", help="a make bench report: fit pass_factor from its arm d's passes")
     args = parser.parse_args(argv)
     if args.refit:
         with open(args.refit) as f:
             report = json.load(f)
-        report["fit"] = fit(report, profiles_of(args.profile, args.profile_2t))
+        profiles = profiles_of(args.profile, args.profile_2t)
+        report["fit"] = fit(report, profiles)
         report["refit"] = "python bench/overheads.py " + " ".join(sys.argv[1:] if argv is None else argv)
+        if args.bench:
+            with open(args.bench) as f:
+                bench = json.load(f)
+            fitted = {k: report["fit"][k] for k in ("cpu_per_request", "cpu_per_call", "latency")}
+            report["passes"] = fit_pass_factor(bench, profiles, Overheads(**fitted, pass_factor=1.0))
         text = markdown(report)
         reports.write(args.out, report, text)
         print(text)
