@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tsbatch.handlers.api import Model
 from tsbatch.handlers.core.buckets import Batch, Bucket, power_of_two_sizes
 from tsbatch.handlers.core.cost import CostModel
 from tsbatch.handlers.core.isolate import Isolator, OomCaps
-from tsbatch.handlers.edge.config import HandlerConfig
-from tsbatch.handlers.edge.metrics import Metrics
-from tsbatch.handlers.edge.siblings import Siblings
 from tsbatch.handlers.runtime.memory import keep_caps
+
+if TYPE_CHECKING:  # the edge builds these and hands them in: the runtime never imports the edge
+    from tsbatch.handlers.api import Model
+    from tsbatch.handlers.edge.config import HandlerConfig
+    from tsbatch.handlers.edge.metrics import Metrics
+    from tsbatch.handlers.edge.siblings import Siblings
 
 
 @dataclass

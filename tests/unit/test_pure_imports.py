@@ -117,3 +117,17 @@ def test_the_core_imports_no_other_layer():
     )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.strip().splitlines()[-1]) == []
+
+
+def test_the_runtime_imports_no_edge():
+    """handlers/runtime/ runs what the edge (the TorchServe handler, its modes) hands it: the edge
+    imports the runtime, never the reverse (generation's engine imports its model runner)."""
+    env = {**os.environ, "PYTHONPATH": REPO}
+    runtime = sorted(f"tsbatch.handlers.runtime.{n[:-3]}" for n in os.listdir(os.path.join(REPO, "handlers", "runtime"))
+                     if n.endswith(".py") and n != "__init__.py" and n != "generation_engine.py")
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE.format(heavy={"tsbatch.handlers.edge"}), *runtime],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == []
