@@ -20,7 +20,7 @@ ARCHIVE_ARGS ?=
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 SERVE_ENV = TMPDIR=$(RUN_DIR)/tmp TEMP=$(RUN_DIR)/tmp LOG_LOCATION=$(RUN_DIR)/logs METRICS_LOCATION=$(RUN_DIR)/logs PATH=$(CURDIR)/$(VENV)/bin:$$PATH
 
-.PHONY: setup java archive serve stop test test-unit test-transformers4 test-wheel bench-generate bench-many bench-saturation bench-frontend bench bench-warmup bench-warmup-served bench-idle bench-workers gpu-check soak chaos clean help
+.PHONY: setup java archive serve stop test test-unit test-transformers4 test-wheel bench-all bench-generate bench-many bench-saturation bench-frontend bench bench-warmup bench-warmup-served bench-idle bench-workers gpu-check soak chaos clean help
 
 help:
 	@echo "make serve    set up, archive all-MiniLM-L6-v2 as '$(NAME)' and serve it on 127.0.0.1:8080-8082"
@@ -29,6 +29,7 @@ help:
 	@echo "make test     set up and run the whole test suite"
 	@echo "make test-wheel  the examples from the wheel installed with its dependencies in a fresh venv (CI runs it)"
 	@echo "make bench    tsbatch against TorchServe's stock batching, side by side, one workload (BENCH_ARGS=--workload search|short|long|two-cluster; bench/results/bench-WORKLOAD.*)"
+	@echo "make bench-all  make bench on all four workloads, then bench/results/summary.md: every arm side by side, each loss of the shipped archive named"
 	@echo "make bench-warmup  first request vs steady state per shape, warmup and compile on/off"
 	@echo "make bench-warmup-served  the same through torchserve, the shipped mode's lane threads, warmup on/off"
 	@echo "make bench-idle    one pass after idle pauses of 1-200 ms: how cold a waiting worker gets"
@@ -105,6 +106,11 @@ $(VENV)/.bench-tools: $(VENV)/.installed
 
 bench: setup $(VENV)/.bench-tools
 	$(PYTHON) bench/run.py $(BENCH_ARGS)
+
+# every workload in turn, then one summary table with a line for each loss of the shipped archive
+bench-all: setup $(VENV)/.bench-tools
+	for w in search short long two-cluster; do $(PYTHON) bench/run.py --workload $$w $(BENCH_ARGS) || exit 1; done
+	$(PYTHON) bench/summary.py
 
 bench-saturation: setup java $(VENV)/.bench-tools
 	$(PYTHON) bench/saturation.py $(BENCH_ARGS)
