@@ -91,5 +91,10 @@ class GrpcInference:
         request = self.messages.PredictionsRequest(model_name=self.model, input={"data": data})
         return json.loads(self.stub.Predictions(request, timeout=timeout).prediction)
 
+    def stream(self, data: bytes, timeout: float = 60) -> list[bytes]:
+        """StreamPredictions: every message's prediction, in order."""
+        request = self.messages.PredictionsRequest(model_name=self.model, input={"data": data})
+        return [reply.prediction for reply in self.stub.StreamPredictions(request, timeout=timeout)]
+
     def close(self) -> None:
         self.channel.close()

@@ -25,15 +25,18 @@ CONTINUOUS_FRONTEND = {"minWorkers": 1, "maxWorkers": 1, **frontend_keys("contin
 # tsbatch's own scheduler in async mode: the frontend hands over each request at once.
 ASYNC_FRONTEND = {"minWorkers": 1, "maxWorkers": 1, **frontend_keys("async")}
 MODELS = {
-    # name -> (handler section, frontend keys); "minilm" also carries the POISON seam
+    # name -> (handler section, frontend keys); the POISON seam fails a pass, SLOW keeps one busy 3 s
     # a few buckets keep warmup short in tests; the shipped default has 16
-    "minilm": ({"task": "embedding", "fault_injection": {"substring": "POISON"}, "max_batch_size": 8,
+    "minilm": ({"task": "embedding", "fault_injection": {"substring": "POISON", "slow_substring": "SLOW"},
+                "max_batch_size": 8,
                 "buckets": [16, 64, 256]}, TEST_FRONTEND),
     "minilm_oom": ({"task": "embedding", "fault_injection": {"oom_above_batch": 2}, "warmup": False},
                    TEST_FRONTEND),
-    "minilm_async": ({"task": "embedding", "fault_injection": {"substring": "POISON"}, "warmup": False,
+    "minilm_async": ({"task": "embedding", "fault_injection": {"substring": "POISON", "slow_substring": "SLOW"},
+                      "warmup": False,
                       "max_wait_ms": 20, "queue_cap": 64}, ASYNC_FRONTEND),
-    "minilm_cont": ({"task": "embedding", "fault_injection": {"substring": "POISON"}, "max_batch_size": 8,
+    "minilm_cont": ({"task": "embedding", "fault_injection": {"substring": "POISON", "slow_substring": "SLOW"},
+                     "max_batch_size": 8,
                      "buckets": [16, 64, 256], "max_wait_ms": 20, "queue_cap": 64}, CONTINUOUS_FRONTEND),
 }
 
@@ -141,9 +144,14 @@ def built_profile(tmp_path_factory) -> str:
 def serve_built(root, profile: str, *extra: str) -> server.Served:
     """`tsbatch archive` into root/store on free ports, then torchserve with the config.properties
     and model-config.yaml it wrote (not waited for: the caller waits for what it expects)."""
+    return serve_archived(root, "--name", NAME, "--profile", profile, *extra)
+
+
+def serve_archived(root, *args: str) -> server.Served:
+    """`tsbatch archive ARGS` into root/store on free ports, then torchserve as serve_built starts it."""
     ports = server.free_ports(5)
     store = str(root / "store")
-    tsbatch("archive", "--name", NAME, "--out", store, "--profile", profile, *extra,
+    tsbatch("archive", "--out", store, *args,
             "--inference-port", str(ports[0]), "--management-port", str(ports[1]), "--metrics-port", str(ports[2]),
             "--grpc-inference-port", str(ports[3]), "--grpc-management-port", str(ports[4]))
     paths = server.ServerPaths(str(root / "tmp"), str(root / "logs"))
