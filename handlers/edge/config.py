@@ -22,6 +22,7 @@ import copy
 import difflib
 import enum
 import re
+import time
 from dataclasses import MISSING, Field, dataclass, field, fields
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
@@ -279,13 +280,23 @@ class FaultInjection:
                                           optional(POSITIVE_INT))
     oom_above_tokens: int | None = setting(None, "a pass of more padded tokens (batch x bucket) than this fails with out "
                                                  "of memory: memory that grows with the shape", optional(POSITIVE_INT))
+    slow_substring: str | None = setting(None, "a pass holding a request that contains this first keeps its CPU busy for "
+                                               "`slow_ms`: a slow model, for drills that kill a busy worker",
+                                         optional(NON_EMPTY_STRING))
+    slow_ms: int = setting(3000, "how long a pass holding `slow_substring` keeps its CPU busy", POSITIVE_INT)
 
     @property
     def enabled(self) -> bool:
-        return self.substring is not None or self.oom_above_batch is not None or self.oom_above_tokens is not None
+        return (self.substring is not None or self.oom_above_batch is not None or self.oom_above_tokens is not None
+                or self.slow_substring is not None)
 
     def check(self, batch) -> None:
-        """Raise what the configured fault says this batch meets, as the model would."""
+        """Raise what the configured fault says this batch meets, as the model would (or, for
+        `slow_substring`, first take as long as a slow model would)."""
+        if self.slow_substring is not None and any(self.slow_substring in _shown(item.input) for item in batch.items):
+            until = time.perf_counter() + self.slow_ms / 1000
+            while time.perf_counter() < until:  # busy, as a pass is: drills wait for the worker's CPU
+                sum(range(1000))
         if self.substring is not None and any(self.substring in _shown(item.input) for item in batch.items):
             raise InjectedFault(f"fault injection: input contains {self.substring!r}")
         if self.oom_above_batch is not None and batch.size > self.oom_above_batch:

@@ -47,6 +47,9 @@ _PAD_VALUES = {"attention_mask": 0, "token_type_ids": 0}
 # Inputs longer than max_length x this many characters are tokenized from a prefix first (see
 # EncoderModel._tokenize_prefix): ordinary text has 4-6 characters per token.
 PREFIX_CHARS_PER_TOKEN = 32
+# ... and no input has more than max_length x this many of its characters read: the bound on what
+# one request costs the thread that takes requests in (about a microsecond a character).
+READ_CHARS_PER_TOKEN = 64
 DTYPES = {Dtype.FLOAT32: torch.float32, Dtype.FLOAT16: torch.float16, Dtype.BFLOAT16: torch.bfloat16}
 
 
@@ -256,16 +259,24 @@ class EncoderModel(Model):
         )
 
     def _tokenize_prefix(self, text: str):
-        """A huge input is truncated anyway: tokenize only a prefix cut at whitespace (whole words
-        tokenize the same alone), and keep it if it already fills max_length, which makes the kept
-        tokens those of the whole text. Tokenizing 1 MB takes about a second; this takes
-        milliseconds, so one huge request cannot stall the worker's intake. None: use the whole text."""
+        """A huge input is truncated anyway, so only a prefix is tokenized: tokenizing 1 MB takes
+        about a second, a prefix milliseconds, and one huge request must not stall the worker's
+        intake. Exact where it can be: a prefix cut at whitespace (whole words tokenize the same
+        alone) that fills max_length; else two cuts mid-word that fill it with the same tokens
+        (the cut never reached them). Otherwise (a giant word, a gap of whitespace) the model gets
+        the tokens of the first max_length x READ_CHARS_PER_TOKEN characters: the bound. None: the
+        text is short enough to read whole."""
         limit = self.max_length * PREFIX_CHARS_PER_TOKEN
         cut = max(text.rfind(space, 0, limit) for space in " \n\t\r")
-        if cut <= 0:
-            return None
-        out = self._encode(text[:cut], True)
-        return out if len(out["input_ids"]) >= self.max_length else None
+        if cut > 0:
+            out = self._encode(text[:cut], True)
+            if len(out["input_ids"]) >= self.max_length:
+                return out
+        first, second = self._encode(text[:limit], True), self._encode(text[:limit + limit // 2], True)
+        if len(first["input_ids"]) >= self.max_length and list(first["input_ids"]) == list(second["input_ids"]):
+            return first
+        bound = self.max_length * READ_CHARS_PER_TOKEN
+        return self._encode(text[:bound], True) if len(text) > bound else None
 
     # -- forward: one planned batch -> one result per item, in the batch's order
     @torch.inference_mode()

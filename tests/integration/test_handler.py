@@ -189,13 +189,13 @@ def test_rows_beyond_the_contexts_requests_still_get_bodies(minilm):
 HUGE_INPUTS = {
     "plain words": " ".join(f"word{i % 97} and more" for i in range(60_000)),
     "newlines only": "\n".join(["Zürich naïve café résumé"] * 20_000),
-    "whitespace gap": "hello " + " " * 20_000 + " ".join(["world"] * 5_000),  # the prefix holds 2 tokens
-    "no whitespace": "x" * 50_000,
+    "punctuation, no whitespace": "unbroken-request," + "word," * 180_000,  # cut mid-word, twice
+    "no whitespace": "x" * 50_000,  # one giant word: [UNK] however much of it is read
 }
 
 
 @pytest.mark.parametrize("name", sorted(HUGE_INPUTS))
-def test_a_huge_input_gets_the_tokens_of_the_whole_text(minilm, name):
+def test_a_huge_input_gets_the_tokens_of_the_whole_text_from_a_prefix(minilm, name):
     import time
 
     handler, _context = minilm
@@ -206,9 +206,31 @@ def test_a_huge_input_gets_the_tokens_of_the_whole_text(minilm, name):
     whole = handler.model._encode(text, True)
     assert encoding.features["input_ids"] == list(whole["input_ids"])
     assert tokens == len(whole["input_ids"])
-    # the prefix is used exactly where it fills max_length; the whole text is tokenized otherwise
-    assert (handler.model._tokenize_prefix(text) is not None) == (name in ("plain words", "newlines only"))
+    assert handler.model._tokenize_prefix(text) is not None  # never read whole
     print(f"{name}: {len(text)} chars -> {tokens} tokens in {elapsed * 1000:.1f} ms")
+
+
+def test_no_input_has_more_than_its_bound_of_characters_read(minilm, monkeypatch):
+    """Issue #38: a gap of whitespace longer than the bound: the model gets the tokens of the first
+    max_length x READ_CHARS_PER_TOKEN characters (not the whole text's), and the tokenizer never
+    sees more than that."""
+    from tsbatch.handlers.models.encoder import READ_CHARS_PER_TOKEN
+
+    handler, _context = minilm
+    model = handler.model
+    bound = model.max_length * READ_CHARS_PER_TOKEN
+    text = "hello " + " " * (2 * bound) + " ".join(["world"] * 5_000)
+    read = []
+    encode = model._encode
+    monkeypatch.setattr(model, "_encode", lambda t, truncate: read.append(len(t)) or encode(t, truncate))
+    tokens, encoding = model.tokenize(text)
+    assert max(read) <= bound
+    assert encoding.features["input_ids"] == list(encode(text[:bound], True)["input_ids"])
+    assert tokens < len(encode(text, True)["input_ids"])  # the bound cost this contrived text its tail
+    short = "a short text " * 10
+    read.clear()
+    assert model.tokenize(short)[1].features["input_ids"] == list(encode(short, True)["input_ids"])
+    assert read == [len(short)]
 
 
 def test_a_huge_input_keeps_character_offsets_for_token_classification(tiny_models):
