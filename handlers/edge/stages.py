@@ -35,7 +35,8 @@ PADDED_HEADER = "x-tsbatch-padded-to"  # tokens the request was padded to (its b
 # answer was written (the rest of what a client measures is TorchServe's: frontend, socket, reply)
 TIMING_HEADER = "x-tsbatch-timing"
 PRIORITY_HEADER = "x-priority"
-DEADLINE_HEADER = "x-deadline-ms"
+DEADLINE_HEADER = "x-deadline-ms"  # milliseconds from when the handler first sees the request
+DEADLINE_AT_HEADER = "x-deadline-at"  # a wall-clock instant, Unix seconds: time in TorchServe's queue counts
 RETRY_AFTER_SECONDS = "1"
 
 
@@ -194,6 +195,39 @@ def request_headers(context, index: int) -> dict:
     except Exception:  # noqa: BLE001 - a context without headers means "none"
         return {}
     return {str(k).lower(): v for k, v in headers.items()}
+
+
+def client_deadline(headers: dict, now: float, wall: float | None = None) -> float | None:
+    """The deadline a client asked for, as monotonic seconds (None: it asked for none; BadInput:
+    it asked badly). `X-Deadline-Ms: N` counts from `now`, when the handler first saw the request;
+    `X-Deadline-At: T`, a wall-clock instant in Unix seconds (time.time()), also counts the time
+    the request waited in TorchServe's queue, which the handler cannot see (client and server
+    clocks must agree, as NTP keeps them). Both: the earlier."""
+    asked = []
+    if headers.get(DEADLINE_HEADER) is not None:
+        value = _text(headers[DEADLINE_HEADER])
+        try:
+            ms = int(value)
+        except ValueError:
+            raise BadInput(f"X-Deadline-Ms must be a whole number of milliseconds, got {value!r}") from None
+        if ms < 1:
+            raise BadInput(f"X-Deadline-Ms must be positive, got {ms}")
+        asked.append(now + ms / 1000)
+    if headers.get(DEADLINE_AT_HEADER) is not None:
+        value = _text(headers[DEADLINE_AT_HEADER])
+        try:
+            at = float(value)
+        except ValueError:
+            at = float("nan")
+        if not at > 0 or at == float("inf"):
+            raise BadInput(f"X-Deadline-At must be a wall-clock instant in Unix seconds (as time.time() gives it), "
+                           f"got {value!r}")
+        asked.append(now + at - (time.time() if wall is None else wall))
+    return min(asked) if asked else None
+
+
+def _text(value) -> str:
+    return value.decode("utf-8", "replace").strip() if isinstance(value, (bytes, bytearray)) else str(value).strip()
 
 
 def content_type(context, index: int) -> str | None:

@@ -173,6 +173,23 @@ def test_requests_past_what_their_lane_can_do_by_their_deadline_are_refused_at_o
     assert all(replies[rid].status in (200, 504) for rid in admitted)
 
 
+def test_a_request_already_late_on_arrival_is_answered_504_in_its_call_and_the_others_are_served(continuous):
+    """Issue #38: a client's X-Deadline-At (a wall-clock instant) counts the time a request spent in
+    TorchServe's queue; one whose instant has passed is answered 504 at once, never computed."""
+    handler, context = continuous
+    frontend = ContinuousFrontend(handler, context)
+    frontend.submit("late", TEXTS[0], headers={"X-Deadline-At": f"{time.time() - 2:.3f}"})
+    frontend.submit("in time", TEXTS[1], headers={"X-Deadline-At": f"{time.time() + 60:.3f}"})
+    frontend.submit("bad", TEXTS[2], headers={"X-Deadline-At": "tomorrow"})
+    frontend.submit("plain", TEXTS[3])
+    replies = frontend.drain()
+    assert replies["late"].status == 504 and "deadline had passed" in replies["late"].body["error"]
+    assert frontend.answered_in["late"] == 1  # in the call that brought it
+    assert replies["bad"].status == 400 and "X-Deadline-At" in replies["bad"].body["error"]
+    assert replies["in time"].status == replies["plain"].status == 200
+    assert handler.mode.running == {}
+
+
 def test_a_request_of_many_texts_gets_each_texts_own_answer_padded_to_its_own_bucket(continuous, reference):
     """Issue #20: 32 mixed-length texts in one request, alongside requests of one text, through
     the continuous frontend: each text answered as it is alone, none padded to the long one."""

@@ -1,6 +1,6 @@
 """What the scheduler modes (continuous and async) share: the worker's Policy decides, its Lanes
 run the plans (handlers/core/policy.py, handlers/runtime/lanes.py), and each request is answered on its own
-Reply when its last text's batch ends. Admission reads the request's X-Priority and X-Deadline-Ms;
+Reply when its last text's batch ends. Admission reads the request's X-Priority, X-Deadline-Ms and X-Deadline-At;
 a full queue, or a deadline the lane cannot meet, answers 503 at once.
 """
 from __future__ import annotations
@@ -8,11 +8,11 @@ from __future__ import annotations
 import logging
 
 from tsbatch.handlers.core.buckets import Item
-from tsbatch.handlers.core.errors import BadInput, DeadlineExceeded, Overloaded, ServingError
-from tsbatch.handlers.core.policy import Policy, PolicySettings, Priority, Ticket
+from tsbatch.handlers.core.errors import DeadlineExceeded, Overloaded, ServingError
+from tsbatch.handlers.core.policy import Policy, PolicySettings, Priority, Ticket, deadline_at
 from tsbatch.handlers.core.reply import Answer, Reply
 from tsbatch.handlers.edge import socket_guard
-from tsbatch.handlers.edge.stages import DEADLINE_HEADER, PRIORITY_HEADER, Call, request_headers
+from tsbatch.handlers.edge.stages import PRIORITY_HEADER, Call, client_deadline, request_headers
 from tsbatch.handlers.runtime.lanes import Lanes
 
 logger = logging.getLogger(__name__)
@@ -52,6 +52,8 @@ class ScheduledMode:
         except ServingError as error:
             if isinstance(error, Overloaded):
                 self.worker.metrics.rejected(error.reason)
+            elif isinstance(error, DeadlineExceeded):
+                self.worker.metrics.deadline_missed(items[0].bucket)
             call.fail(index, error)
             return None
 
@@ -60,17 +62,15 @@ class ScheduledMode:
         cfg = self.worker.config
         headers = request_headers(context, index)
         priority = Priority.parse(headers.get(PRIORITY_HEADER))
-        deadline_ms = cfg.deadline_ms
-        if headers.get(DEADLINE_HEADER) is not None:
-            try:
-                asked = int(headers[DEADLINE_HEADER])
-            except ValueError:
-                raise BadInput(f"X-Deadline-Ms must be a whole number of milliseconds, got {headers[DEADLINE_HEADER]!r}") from None
-            if asked < 1:
-                raise BadInput(f"X-Deadline-Ms must be positive, got {asked}")
-            deadline_ms = min(deadline_ms, asked)  # a client may shorten the deadline, not extend it
         # the handler's own deadline ends deadline_margin_ms early, so the answer reaches the client in time
-        return priority, now + max(0, deadline_ms - cfg.deadline_margin_ms) / 1000
+        deadline = deadline_at(now, cfg.deadline_ms, cfg.deadline_margin_ms)
+        asked = client_deadline(headers, now)
+        if asked is not None:  # a client may shorten the deadline, not extend it
+            deadline = min(deadline, asked - cfg.deadline_margin_ms / 1000)
+        if deadline <= now:  # late already (in TorchServe's queue, say): computing it would help nobody
+            raise DeadlineExceeded("the request's deadline had passed when it reached the worker (X-Deadline-At / "
+                                   "X-Deadline-Ms, less deadline_margin_ms)")
+        return priority, deadline
 
     def _on_answer(self, ticket: Ticket, answer: Answer) -> None:
         if isinstance(answer.outcome, DeadlineExceeded):
