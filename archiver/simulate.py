@@ -15,9 +15,9 @@ TorchServe's own batching (batchSize, maxBatchDelay, a batch padded to its longe
 max_length), the controls of `make bench`.
 
 Pure and deterministic: no torch, no clock, no threads; the same inputs and seed give the same
-figures. What it does not model but measures as one factor on tsbatch's passes (Overheads'
-pass_factor): the GIL the worker's main thread holds beside the lanes, and memory traffic. Not at
-all: a core gone cold in an idle pause, and a machine whose speed drifts.
+figures. What it does not model but measures as one factor on passes that run side by side
+(Overheads' beside): the GIL and the memory traffic they share. Not at all: a core gone cold in an
+idle pause, and a machine whose speed drifts.
 """
 from __future__ import annotations
 
@@ -47,19 +47,23 @@ NICE_WEIGHT = 110 / 1024  # Linux's scheduler weight of a nice-10 thread (the lo
 
 @dataclass(frozen=True)
 class Overheads:
-    """What a request costs outside the passes: CPU taken from the passes' cores, and time.
-    Defaults measured by bench/overheads.py (bench/results/overheads.md): the frontend, the load
-    generator and the worker's main thread per request under first-come batching, what each call
-    adds in continuous mode (TorchServe calls a worker that holds requests back to back), a short
-    request's time outside the handler at light load, and how much longer a pass takes served than
-    profiled (from a make bench run's x-tsbatch-timing)."""
+    """What requests cost outside the passes: cores taken from the passes, and time. Defaults
+    measured by bench/overheads.py (bench/results/overheads.md): the cores the frontend, the load
+    generator and the worker's main thread use at each rate answered, under first-come batching and
+    in continuous mode (TorchServe calls a worker that holds requests back to back; per request it
+    costs less the more requests a call carries, so the measured curve, not a constant), a short
+    request's time outside the handler at light load, and how much slower a pass runs beside another
+    (from a make bench run's x-tsbatch-timing)."""
 
-    cpu_per_request: float = 0.0067  # core-seconds per request outside passes (all processes)
-    cpu_per_call: float = 0.0016  # core-seconds per continuous-mode call (the frontend's and the worker's)
+    # (requests/s, cores) measured (see outside_cores)
+    outside: tuple[tuple[float, float], ...] = ((3.75, 0.103), (8.38, 0.1909), (13.46, 0.2259), (15.17, 0.245),
+        (15.25, 0.2198), (32.55, 0.3733), (64.99, 0.5076), (128.15, 0.6138))
+    outside_first_come: tuple[tuple[float, float], ...] = ((3.75, 0.0355), (8.37, 0.0564), (12.99, 0.0726),
+        (13.43, 0.0798), (15.23, 0.111), (32.55, 0.1344), (64.23, 0.1959), (104.81, 0.2023))
     latency: float = 0.0093  # seconds a request spends outside the handler at light load
-    # a tsbatch pass served takes this many times its profiled time: the worker's main thread
-    # (protocol, tokenizing, JSON) holds the GIL beside the lanes, and the lanes share memory traffic
-    pass_factor: float = 1.25
+    # a pass runs this many times slower while another runs beside it: the lanes share memory
+    # traffic and the GIL (fitted to a make bench run's x-tsbatch-timing)
+    beside: float = 1.34
     window: float = 1.0  # seconds over which the frontend's recent load is counted
 
 
@@ -198,6 +202,24 @@ def _interpolate(table, length: int, size: int) -> tuple[float, float]:
 
 # -- the machine ---------------------------------------------------------------------------------------
 
+def outside_cores(curve: Sequence[tuple[float, float]], rate: float) -> float:
+    """Cores busy outside the passes at `rate` requests/s, by a measured curve: interpolated between
+    its points, proportional below the first, and along its last segment's slope past the last (a
+    request costs less the more requests share a call)."""
+    points = sorted(curve)
+    if rate <= 0:
+        return 0.0
+    if rate <= points[0][0]:
+        return points[0][1] * rate / points[0][0]
+    if rate >= points[-1][0]:
+        if len(points) == 1:
+            return points[0][1] * rate / points[0][0]
+        (x0, y0), (x1, y1) = points[-2], points[-1]
+        slope = max(0.0, (y1 - y0) / (x1 - x0)) if x1 > x0 else 0.0
+        return y1 + slope * (rate - x1)
+    return _along({x: (y,) for x, y in points}, rate)[0]
+
+
 def shares_of(demands: Sequence[tuple[float, float]], cores: int) -> list[float]:
     """Each claimant's share of a core per thread, as Linux's fair scheduler divides `cores`:
     (threads, weight per thread) each; a thread gets at most one core, and cores left over by
@@ -227,7 +249,8 @@ class Simulation:
         # pass id -> [alone seconds left, threads, version, done, weight per thread, progress per second]
         self.running: dict[int, list] = {}
         self.seen = 0.0  # when `running` was last brought up to date
-        self.recent: list[tuple[float, float]] = []  # (when, core-seconds) of outside work within the window
+        self.recent: list[float] = []  # arrivals within the window
+        self.curve = overheads.outside  # the measured curve of the arm's kind: simulate() sets first-come's
         self.calls = 0  # continuous-mode calls (for the reports)
 
     def at(self, when: float, action: Callable[[], None]) -> None:
@@ -240,21 +263,14 @@ class Simulation:
             action()
 
     def arrived(self) -> None:
-        self.outside(self.overheads.cpu_per_request)
+        """A request reached the frontend: the work outside the passes follows the rate of the
+        last window (the measured curve of its kind)."""
+        self.recent.append(self.now)
+        self._reflow()
+        self.at(self.now + self.overheads.window * (1 + 1e-9), self._reflow)  # when it leaves the window
 
     def called(self) -> None:
-        """A continuous-mode call: TorchServe calls the worker back to back while it holds
-        requests, and every call costs the frontend and the worker's main thread CPU."""
         self.calls += 1
-        self.outside(self.overheads.cpu_per_call)
-
-    def outside(self, cpu: float) -> None:
-        """Work outside the passes (frontend, protocol, parsing): it takes cores from them for the
-        window after it."""
-        if cpu > 0:
-            self.recent.append((self.now, cpu))
-            self._reflow()
-            self.at(self.now + self.overheads.window * (1 + 1e-9), self._reflow)  # when it leaves the window
 
     def start(self, alone: float, threads: int, done: Callable[[], None], background: bool = False) -> None:
         """Run a pass of `alone` seconds on `threads` threads; `done()` when it ends. A background
@@ -275,13 +291,15 @@ class Simulation:
         if not advanced:
             self._advance()
         window = self.overheads.window
-        while self.recent and self.recent[0][0] < self.now - window:
+        while self.recent and self.recent[0] < self.now - window:
             self.recent.pop(0)
-        outside = sum(cpu for _, cpu in self.recent) / window
+        outside = outside_cores(self.curve, len(self.recent) / window)
         demands = [(outside, 1.0)] + [(entry[1], entry[4]) for entry in self.running.values()]
         shares = shares_of(demands, self.cores)[1:]
         for (pid, entry), share in zip(self.running.items(), shares):
             entry[5] = share ** entry[1]  # a team waits at every op for its slowest thread
+            if len(self.running) > 1:
+                entry[5] /= self.overheads.beside
             entry[2] += 1
             version = entry[2]
             self.at(self.now + max(0.0, entry[0]) / entry[5], lambda pid=pid, version=version: self._end(pid, version))
@@ -429,7 +447,6 @@ class TsbatchWorker:
     def _run(self, plan: Plan) -> None:
         batch = plan.batch
         alone = self.times.draw(length=bucket_tokens(batch.bucket), size=batch.size, threads=plan.threads)
-        alone *= self.sim.overheads.pass_factor
         started = self.sim.now
 
         def done() -> None:
@@ -603,6 +620,8 @@ def simulate(arm: Arm, arrivals: Sequence[Arrival], profiles: dict[int, object],
              overheads: Overheads = Overheads(), seed: int = 0, rate: float = 0.0) -> Point:
     """Serve `arrivals` with `arm` and report it. `profiles`: latency profiles by intra-op threads."""
     sim = Simulation(cores, overheads)
+    if arm.kind == "first-come":
+        sim.curve = overheads.outside_first_come
     fleet = Fleet(sim, arm, PassTimes(profiles, seed), max_length, arrivals)
     end = (arrivals[-1].at if arrivals else 0.0) + 60.0  # a drain after the last arrival
     sim.run(end)

@@ -17,6 +17,7 @@ import json
 import os
 import sys
 import tempfile
+from dataclasses import replace
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -66,53 +67,50 @@ def profiles_of(*paths: str) -> dict:
     return out
 
 
-def fit(report: dict, profiles: dict) -> dict:
-    """The simulator's Overheads from the measurements: `cpu_per_request`, the median outside
-    CPU per request under first-come batching (one trip through the frontend and the worker per
-    request); `cpu_per_call`, what continuous mode's outside CPU adds beyond that per call of the
-    frontend to the worker (calls counted by simulating arm d at each measured rate), least squares
-    through zero; `latency`, the short requests' median time outside the handler at the lowest rate."""
-    per_request = sorted(p["cpu_ms_per_request_outside"] / 1000 for p in report["arms"]["b"]
-                         if p["cpu_ms_per_request_outside"])
-    per_request = per_request[len(per_request) // 2]
-    template = HandlerConfig.from_yaml({"task": "embedding"})
-    arm = Arm("d", config=template, batch_size=template.queue_cap + 32)
-    tokens = workload_tokens(report["workload"])
-    max_length = max(s.bucket for s in next(iter(profiles.values())).shapes if isinstance(s.bucket, int))
-    per_call = 0.0
-    for _ in range(2):  # the calls counted depend a little on the cost being fitted
-        overheads = Overheads(cpu_per_request=per_request, cpu_per_call=per_call)
-        rows = []
-        for point in report["arms"]["d"]:
-            simulated = at_rate(arm, point["offered_rate"], tokens, profiles, max_length, 60.0, 0, overheads=overheads)
-            outside = sum(point["cores"][k] for k in ("frontend", "client", "worker_main"))
-            rows.append((outside - per_request * point["throughput"], simulated.calls / 60.0))
-        per_call = max(0.0, sum(e * c for e, c in rows) / sum(c * c for _, c in rows)) if rows else 0.0
+def fit(report: dict) -> dict:
+    """The simulator's Overheads from the measurements: `outside` and `outside_first_come`, the
+    cores used outside the passes at each rate answered (continuous mode's arm d; first-come's arm
+    b), sorted by rate, as the simulator interpolates them; `latency`, the short requests' median
+    time outside the handler at arm d's lowest rate."""
+    curves = {}
+    for arm, name in (("d", "outside"), ("b", "outside_first_come")):
+        points = sorted((p["throughput"], round(p["cpu_ms_per_request_outside"] * p["throughput"] / 1000, 4))
+                        for p in report["arms"][arm] if p["cpu_ms_per_request_outside"])
+        curves[name] = [list(point) for point in points]
     light = min(report["arms"]["d"], key=lambda p: p["offered_rate"])
     latency = light.get("short_breakdown_ms", {}).get("outside_handler")
-    return {"cpu_per_request": round(per_request, 5), "cpu_per_call": round(per_call, 6),
-            "latency": round(latency / 1000, 4) if latency else None,
-            "calls_per_s_simulated": {f"{p['offered_rate']:g}": round(c, 1) for p, (_, c) in zip(report["arms"]["d"], rows)}}
+    return {**curves, "latency": round(latency / 1000, 4) if latency else None}
 
 
-def fit_pass_factor(bench: dict, profiles: dict, overheads: Overheads) -> dict:
-    """How much longer a tsbatch pass takes served than profiled: the median, over arm d's sweep
-    rates from half its capacity to its capacity in a make bench report, of the median short pass
-    its x-tsbatch-timing reported over the one the simulator (at pass_factor 1) serves there."""
+def fit_beside(bench: dict, profiles: dict, overheads: Overheads) -> dict:
+    """How much slower a pass runs beside another: the `beside` at which the simulator's median
+    short pass matches the one arm d's x-tsbatch-timing reported, in the median over its sweep
+    rates from half its capacity to its capacity in a make bench report (bisected)."""
     template = HandlerConfig.from_yaml({"task": "embedding"})
     arm = Arm("d", config=template, batch_size=template.queue_cap + 32)
     tokens = workload_tokens(bench["workload"])
     max_length = max(s.bucket for s in next(iter(profiles.values())).shapes if isinstance(s.bucket, int))
     top = bench["arms"]["d"]["capacity"]
-    ratios = {}
-    for point in bench["arms"]["d"]["sweep"]:
-        rate, live = point["offered_rate"], point.get("short_breakdown_ms", {}).get("pass")
-        if live and top / 2 <= rate <= top:
-            simulated = at_rate(arm, rate, tokens, profiles, max_length, 60.0, 0, overheads=overheads)
-            ratios[f"{rate:g}"] = round(live / simulated.latency["short"]["pass_p50"], 3)
-    values = sorted(ratios.values())
-    return {"pass_factor": values[len(values) // 2] if values else 1.0, "ratios": ratios,
-            "from": f"{bench['workload']} run of {bench['when']}"}
+    points = [(p["offered_rate"], p["short_breakdown_ms"]["pass"]) for p in bench["arms"]["d"]["sweep"]
+              if p.get("short_breakdown_ms", {}).get("pass") and top / 2 <= p["offered_rate"] <= top]
+
+    def ratios(beside: float) -> dict:
+        out = {}
+        for rate, live in points:
+            simulated = at_rate(arm, rate, tokens, profiles, max_length, 60.0, 0, overheads=replace(overheads, beside=beside))
+            out[f"{rate:g}"] = round(live / simulated.latency["short"]["pass_p50"], 3)
+        return out
+
+    def median(values) -> float:
+        values = sorted(values)
+        return values[len(values) // 2]
+
+    low, high = 1.0, 3.0
+    for _ in range(7):
+        middle = (low + high) / 2
+        low, high = (middle, high) if median(ratios(middle).values()) > 1.0 else (low, middle)
+    beside = round((low + high) / 2, 3)
+    return {"beside": beside, "ratios": ratios(beside), "from": f"{bench['workload']} run of {bench['when']}"}
 
 
 def markdown(report: dict) -> str:
@@ -130,15 +128,14 @@ def markdown(report: dict) -> str:
                          f"{c['worker_main']} | {c['passes']} | {p['cpu_ms_per_request_outside']} |")
     f = report["fit"]
     if report.get("refit"):
-        lines += ["", f"Fitted from these measurements by `{report['refit']}`."]
-    lines += ["", "The simulator's Overheads from these (`fit` in bench/overheads.py): "
-              f"`cpu_per_request` {f['cpu_per_request']} s (first-come's median), `cpu_per_call` "
-              f"{f['cpu_per_call']} s per continuous-mode call (simulated calls per second at each rate: "
-              f"{f['calls_per_s_simulated']}), `latency` {f['latency']} s.", ""]
+        lines += ["", f"Put together from these measurements by `{report['refit']}`."]
+    lines += ["", "The simulator's Overheads from these (`fit` in bench/overheads.py; (answered req/s, cores outside the "
+              f"passes)): `outside` (continuous mode) {f['outside']}, `outside_first_come` {f['outside_first_come']}, "
+              f"`latency` {f['latency']} s.", ""]
     if report.get("passes"):
         p = report["passes"]
-        lines += [f"`pass_factor` {p['pass_factor']}: a served short pass over the simulated one, median over arm d's "
-                  f"rates from half its capacity to its capacity in the make bench {p['from']} ({p['ratios']}).", ""]
+        lines += [f"`beside` {p['beside']}: with it, a short pass served over the simulated one, at arm d's rates from "
+                  f"half its capacity to its capacity in the make bench {p['from']}: {p['ratios']} (median 1).", ""]
     return "\n".join(lines)
 
 
@@ -151,20 +148,29 @@ def main(argv=None) -> int:
                         help="the profile the simulator serves arm d with (its lanes' threads)")
     parser.add_argument("--profile-2t", default=os.path.join(reports.RESULTS, "simulator-profile-2t.json"))
     parser.add_argument("--out", default=os.path.join(reports.RESULTS, "overheads"))
-    parser.add_argument("--refit", metavar="JSON", help="fit again from an earlier report's measurements (no serving)")
-    parser.add_argument("--bench", metavar="JSON", help="a make bench report: fit pass_factor from its arm d's passes")
+    parser.add_argument("--refit", metavar="JSON", nargs="+",
+                        help="fit again from earlier reports' measurements, put together (no serving)")
+    parser.add_argument("--bench", metavar="JSON", help="a make bench report: fit `beside` from its arm d's passes")
     args = parser.parse_args(argv)
     if args.refit:
-        with open(args.refit) as f:
-            report = json.load(f)
+        report = None
+        for path in args.refit:
+            with open(path) as f:
+                measured_ = json.load(f)
+            if report is None:
+                report = measured_
+            else:
+                for arm in report["arms"]:
+                    report["arms"][arm] += measured_["arms"][arm]
+                report["workload"] += f", {measured_['workload']}"
         profiles = profiles_of(args.profile, args.profile_2t)
-        report["fit"] = fit(report, profiles)
+        report["fit"] = fit(report)
         report["refit"] = "python bench/overheads.py " + " ".join(sys.argv[1:] if argv is None else argv)
         if args.bench:
             with open(args.bench) as f:
                 bench = json.load(f)
-            fitted = {k: report["fit"][k] for k in ("cpu_per_request", "cpu_per_call", "latency")}
-            report["passes"] = fit_pass_factor(bench, profiles, Overheads(**fitted, pass_factor=1.0))
+            fitted = {k: tuple(map(tuple, report["fit"][k])) for k in ("outside", "outside_first_come")}
+            report["passes"] = fit_beside(bench, profiles, Overheads(**fitted, latency=report["fit"]["latency"]))
         text = markdown(report)
         reports.write(args.out, report, text)
         print(text)
@@ -193,7 +199,7 @@ def main(argv=None) -> int:
                     point = measured(arm, urls[arm], frontend, pids[arm], rate, args.duration, requests)
                     report["arms"][arm].append(point)
                     print(arm, rate, point["throughput"], point["cores"], point["cpu_ms_per_request_outside"], flush=True)
-    report["fit"] = fit(report, profiles_of(args.profile, args.profile_2t))
+    report["fit"] = fit(report)
     text = markdown(report)
     reports.write(args.out, report, text)
     print(text)

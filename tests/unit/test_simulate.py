@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tsbatch.archiver.simulate import (Arm, Overheads, PassTimes, Simulation, at_rate, capacity, poisson, shares_of,
-                                      workload_tokens)
+from tsbatch.archiver.simulate import (Arm, Overheads, PassTimes, Simulation, at_rate, capacity, outside_cores, poisson,
+                                      shares_of, workload_tokens)
 from tsbatch.handlers.core.buckets import default_edges
 from tsbatch.handlers.edge.config import HandlerConfig
 from tsbatch.warmup.profile import LatencyProfile
@@ -28,6 +28,7 @@ def cpu_like(threads: int = 1) -> LatencyProfile:
 
 
 PROFILES = {1: cpu_like(1), 2: cpu_like(2)}
+NO_OUTSIDE = Overheads(outside=((1.0, 0.0),), outside_first_come=((1.0, 0.0),), beside=1.0)
 TEMPLATE = Arm("template", config=HandlerConfig.from_yaml({"task": "embedding"}), batch_size=96)
 FIRST_COME = Arm("first-come", kind="first-come")
 
@@ -76,7 +77,7 @@ def test_two_workers_share_the_cores_and_answer_everything():
 
 
 def test_passes_slow_down_when_their_threads_outnumber_the_cores():
-    sim = Simulation(cores=2, overheads=Overheads(cpu_per_request=0.0))
+    sim = Simulation(cores=2, overheads=NO_OUTSIDE)
     ends = {}
     sim.at(0.0, lambda: sim.start(1.0, 1, lambda: ends.setdefault("a", sim.now)))
     sim.at(0.0, lambda: sim.start(1.0, 1, lambda: ends.setdefault("b", sim.now)))
@@ -84,14 +85,14 @@ def test_passes_slow_down_when_their_threads_outnumber_the_cores():
     sim.run(100)
     # 3 threads on 2 cores: each pass runs at 2/3 speed until they end together
     assert ends["a"] == ends["b"] == ends["c"] == pytest.approx(1.5)
-    lone = Simulation(cores=2, overheads=Overheads(cpu_per_request=0.0))
+    lone = Simulation(cores=2, overheads=NO_OUTSIDE)
     lone.at(0.0, lambda: lone.start(1.0, 2, lambda: ends.setdefault("lone", lone.now)))
     lone.run(100)
     assert ends["lone"] == pytest.approx(1.0)
 
 
 def test_a_team_of_threads_waits_for_its_slowest_and_a_background_pass_yields():
-    sim = Simulation(cores=2, overheads=Overheads(cpu_per_request=0.0))
+    sim = Simulation(cores=2, overheads=NO_OUTSIDE)
     ends = {}
     sim.at(0.0, lambda: sim.start(1.0, 2, lambda: ends.setdefault("team", sim.now)))
     sim.at(0.0, lambda: sim.start(1.0, 1, lambda: ends.setdefault("one", sim.now)))
@@ -99,13 +100,31 @@ def test_a_team_of_threads_waits_for_its_slowest_and_a_background_pass_yields():
     # 3 threads on 2 cores get 2/3 of a core each; the team of two needs both at once: (2/3)^2
     assert ends["one"] == pytest.approx(1.5)
     assert ends["team"] > ends["one"]
-    nice = Simulation(cores=1, overheads=Overheads(cpu_per_request=0.0))
+    nice = Simulation(cores=1, overheads=NO_OUTSIDE)
     nice.at(0.0, lambda: nice.start(1.0, 1, lambda: ends.setdefault("long", nice.now), background=True))
     nice.at(0.0, lambda: nice.start(1.0, 1, lambda: ends.setdefault("short", nice.now)))
     nice.run(100)
     # one core: the nice-10 pass gets 110/1134 of it while the other runs, then all of it
     assert ends["short"] == pytest.approx(1134 / 1024)
     assert ends["long"] == pytest.approx(2.0)
+
+
+def test_a_pass_beside_another_runs_slower_by_the_measured_factor():
+    ends = {}
+    sim = Simulation(cores=2, overheads=Overheads(outside=((1.0, 0.0),), beside=1.5))
+    sim.at(0.0, lambda: sim.start(1.0, 1, lambda: ends.setdefault("a", sim.now)))
+    sim.at(0.0, lambda: sim.start(3.0, 1, lambda: ends.setdefault("b", sim.now)))
+    sim.run(100)
+    # both at 1/1.5 until a ends at 1.5; then b alone at full speed: 2 s of its work left
+    assert ends["a"] == pytest.approx(1.5) and ends["b"] == pytest.approx(3.5)
+
+
+def test_outside_cores_follow_the_measured_curve():
+    curve = ((10.0, 0.1), (20.0, 0.3), (40.0, 0.4))
+    assert outside_cores(curve, 0) == 0.0
+    assert outside_cores(curve, 5.0) == pytest.approx(0.05)  # proportional below the first point
+    assert outside_cores(curve, 15.0) == pytest.approx(0.2)
+    assert outside_cores(curve, 60.0) == pytest.approx(0.5)  # the last segment's slope past the end
 
 
 def test_shares_follow_the_fair_scheduler():
@@ -120,9 +139,9 @@ def test_shares_follow_the_fair_scheduler():
 
 def test_work_outside_the_passes_takes_cores_from_them():
     ends = {}
-    for name, cpu in (("free", 0.0), ("busy", 0.5)):
-        sim = Simulation(cores=2, overheads=Overheads(cpu_per_request=cpu))
-        for k in range(4):  # 2 core-seconds of outside work over the first second
+    for name, cores in (("free", 0.0), ("busy", 2.0)):
+        sim = Simulation(cores=2, overheads=Overheads(outside=((4.0, cores),)))
+        for k in range(4):  # 4 requests in the last second: the measured curve says `cores` busy outside
             sim.at(0.0, sim.arrived)
         sim.at(0.0, lambda sim=sim, name=name: sim.start(1.0, 2, lambda: ends.setdefault(name, sim.now)))
         sim.run(100)

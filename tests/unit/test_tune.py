@@ -357,7 +357,9 @@ def test_tuned_properties_carry_their_reasons(tmp_path):
 
 def test_tune_writes_files_that_read_back(tmp_path):
     profile_path = tmp_path / "profile.json"
-    linear(threads_per_bucket={"16": 1, "64": 1, "256": 1}).save(str(profile_path))  # as warmup records lanes
+    # as warmup records lanes; about as slow as MiniLM here (for a much faster model the simulator predicts
+    # first-come batching wins: continuous mode's back-to-back calls cost the frontend more CPU)
+    linear(fixed_ms=10.0, per_token_ms=0.3, threads_per_bucket={"16": 1, "64": 1, "256": 1}).save(str(profile_path))
     request = pipeline.Request("unused", "minilm", dict(BASE), 400.0, workload="search")
     built = pipeline.tune_to(request, str(profile_path), str(tmp_path / "out"), {})
     with open(built.config_path) as f:
