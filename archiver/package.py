@@ -216,7 +216,11 @@ def build_archive(spec: ArchiveSpec, progress: Callable[[str], None] = lambda _:
             "--handler", handler, "--extra-files", extra, "--config-file", config,
             "--export-path", spec.export_path, "--force",
         ]
-        done = subprocess.run(cmd, capture_output=True, text=True)
+        # torch-model-archiver stages every archive in TMPDIR/NAME: two builds of one name at once
+        # (two checkouts' tests, a CI runner beside a developer) wrote into each other's folder
+        scratch = os.path.join(workdir, "scratch")
+        os.makedirs(scratch)
+        done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TMPDIR": scratch})
         if done.returncode != 0:
             raise ArchiveError(f"torch-model-archiver failed: {done.stderr.strip() or done.stdout.strip()}")
     path = os.path.join(spec.export_path, f"{spec.name}.mar")
