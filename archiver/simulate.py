@@ -251,7 +251,6 @@ class Simulation:
         self.seen = 0.0  # when `running` was last brought up to date
         self.recent: list[float] = []  # arrivals within the window
         self.curve = overheads.outside  # the measured curve of the arm's kind: simulate() sets first-come's
-        self.calls = 0  # continuous-mode calls (for the reports)
 
     def at(self, when: float, action: Callable[[], None]) -> None:
         heapq.heappush(self.events, (when, next(self.seq), action))
@@ -268,9 +267,6 @@ class Simulation:
         self.recent.append(self.now)
         self._reflow()
         self.at(self.now + self.overheads.window * (1 + 1e-9), self._reflow)  # when it leaves the window
-
-    def called(self) -> None:
-        self.calls += 1
 
     def start(self, alone: float, threads: int, done: Callable[[], None], background: bool = False) -> None:
         """Run a pass of `alone` seconds on `threads` threads; `done()` when it ends. A background
@@ -348,7 +344,6 @@ class TsbatchWorker:
         now = self.sim.now
         if not self.alone and len(requests) >= max(2, self.arm.batch_size // 4) and not self.fleet.any_idle(self):
             requests = self._fit_call(requests)
-        self.sim.called()
         for index in requests:
             outcome = self.fleet.outcomes[index]
             length = min(outcome.tokens, self.max_length)
@@ -608,7 +603,6 @@ class Point:
     throughput: float
     padding_waste: float | None
     latency: dict  # "all" | "short" | "long" -> {"p50", "p95", "p99", "n", "pass_p50"} in ms (pass_p50: its passes')
-    calls: int = 0  # continuous-mode calls
 
     def passes(self, target_ms: float) -> bool:
         """Served within the target: every request answered 200 and p99 under it."""
@@ -642,7 +636,7 @@ def simulate(arm: Arm, arrivals: Sequence[Arrival], profiles: dict[int, object],
         passes = [o.pass_seconds * 1000 for o in ok if (kind == "all" or o.kind == kind) and o.pass_seconds]
         latency[kind]["pass_p50"] = round(percentile(passes, 50), 1) if passes else None
     return Point(rate, len(outcomes), len(ok), status, round(len(ok) / span, 2) if span > 0 else 0.0,
-                 round(1 - real / padded, 4) if padded else None, latency, sim.calls)
+                 round(1 - real / padded, 4) if padded else None, latency)
 
 
 def at_rate(arm: Arm, rate: float, tokens: Sequence[int], profiles, max_length: int, duration: float = 60.0,
