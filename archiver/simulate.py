@@ -15,8 +15,8 @@ TorchServe's own batching (batchSize, maxBatchDelay, a batch padded to its longe
 max_length), the controls of `make bench`.
 
 Pure and deterministic: no torch, no clock, no threads; the same inputs and seed give the same
-figures. What it does not model but measures as one factor on passes that run side by side
-(Overheads' beside): the GIL and the memory traffic they share. Not at all: a core gone cold in an
+figures. What it does not model but measures as one factor on a pass that runs beside a long one
+(Overheads' beside): the memory traffic they share. Not at all: a core gone cold in an
 idle pause, and a machine whose speed drifts.
 """
 from __future__ import annotations
@@ -61,9 +61,10 @@ class Overheads:
     outside_first_come: tuple[tuple[float, float], ...] = ((3.75, 0.0355), (8.37, 0.0564), (12.99, 0.0726),
         (13.43, 0.0798), (15.23, 0.111), (32.55, 0.1344), (64.23, 0.1959), (104.81, 0.2023))
     latency: float = 0.0093  # seconds a request spends outside the handler at light load
-    # a pass runs this many times slower while another runs beside it: the lanes share memory
-    # traffic and the GIL (fitted to a make bench run's x-tsbatch-timing)
-    beside: float = 1.34
+    # a pass runs this many times slower while a long pass (more than SHORT_TOKENS) runs beside
+    # it: its memory traffic is the lanes' shared cost (fitted to a make bench search run's
+    # x-tsbatch-timing; two short passes side by side ran as fast as alone in the short-only run)
+    beside: float = 1.38
     window: float = 1.0  # seconds over which the frontend's recent load is counted
 
 
@@ -246,7 +247,7 @@ class Simulation:
         self.now = 0.0
         self.events: list = []
         self.seq = itertools.count()
-        # pass id -> [alone seconds left, threads, version, done, weight per thread, progress per second]
+        # pass id -> [alone seconds left, threads, version, done, weight per thread, progress per second, long]
         self.running: dict[int, list] = {}
         self.seen = 0.0  # when `running` was last brought up to date
         self.recent: list[float] = []  # arrivals within the window
@@ -268,12 +269,14 @@ class Simulation:
         self._reflow()
         self.at(self.now + self.overheads.window * (1 + 1e-9), self._reflow)  # when it leaves the window
 
-    def start(self, alone: float, threads: int, done: Callable[[], None], background: bool = False) -> None:
-        """Run a pass of `alone` seconds on `threads` threads; `done()` when it ends. A background
-        pass (a long lane's: its threads run at nice 10) yields the cores to everything else."""
+    def start(self, alone: float, threads: int, done: Callable[[], None], background: bool = False,
+              length: int = 0) -> None:
+        """Run a pass of `alone` seconds on `threads` threads over inputs of `length` tokens;
+        `done()` when it ends. A background pass (a long lane's: its threads run at nice 10)
+        yields the cores to everything else; a long one slows the passes beside it."""
         self._advance()
         pid = next(self.seq)
-        self.running[pid] = [alone, threads, 0, done, NICE_WEIGHT if background else 1.0, 1.0]
+        self.running[pid] = [alone, threads, 0, done, NICE_WEIGHT if background else 1.0, 1.0, length > SHORT_TOKENS]
         self._reflow(advanced=True)
 
     def _advance(self) -> None:
@@ -292,9 +295,10 @@ class Simulation:
         outside = outside_cores(self.curve, len(self.recent) / window)
         demands = [(outside, 1.0)] + [(entry[1], entry[4]) for entry in self.running.values()]
         shares = shares_of(demands, self.cores)[1:]
+        longs = sum(entry[6] for entry in self.running.values())
         for (pid, entry), share in zip(self.running.items(), shares):
             entry[5] = share ** entry[1]  # a team waits at every op for its slowest thread
-            if len(self.running) > 1:
+            if longs - entry[6] > 0:  # a long pass runs beside this one
                 entry[5] /= self.overheads.beside
             entry[2] += 1
             version = entry[2]
@@ -455,7 +459,8 @@ class TsbatchWorker:
             self._kick()
             self._maybe_return()
 
-        self.sim.start(alone, plan.threads, done, background=plan.lane > 0)  # as scheduled.py lowers lane 1+
+        self.sim.start(alone, plan.threads, done, background=plan.lane > 0,  # as scheduled.py lowers lane 1+
+                       length=bucket_tokens(batch.bucket))
 
     def _finish(self, ticket: Ticket, status: int) -> None:
         index = ticket.item.index
@@ -516,7 +521,7 @@ class FirstComeWorker:
             self.busy = False
             self.fleet.returned(self)
 
-        self.sim.start(alone, self.threads, done)
+        self.sim.start(alone, self.threads, done, length=padded)
 
 
 # -- the frontend in front of the workers ------------------------------------------------------------------

@@ -109,14 +109,28 @@ def test_a_team_of_threads_waits_for_its_slowest_and_a_background_pass_yields():
     assert ends["long"] == pytest.approx(2.0)
 
 
-def test_a_pass_beside_another_runs_slower_by_the_measured_factor():
+def test_a_pass_beside_a_long_one_runs_slower_by_the_measured_factor():
     ends = {}
     sim = Simulation(cores=2, overheads=Overheads(outside=((1.0, 0.0),), beside=1.5))
-    sim.at(0.0, lambda: sim.start(1.0, 1, lambda: ends.setdefault("a", sim.now)))
-    sim.at(0.0, lambda: sim.start(3.0, 1, lambda: ends.setdefault("b", sim.now)))
+    sim.at(0.0, lambda: sim.start(1.0, 1, lambda: ends.setdefault("short", sim.now), length=32))
+    sim.at(0.0, lambda: sim.start(3.0, 1, lambda: ends.setdefault("long", sim.now), length=256))
     sim.run(100)
-    # both at 1/1.5 until a ends at 1.5; then b alone at full speed: 2 s of its work left
-    assert ends["a"] == pytest.approx(1.5) and ends["b"] == pytest.approx(3.5)
+    # the short pass at 1/1.5 beside the long one until it ends at 1.5; the long one beside a short
+    # pass runs as if alone: 3 s
+    assert ends["short"] == pytest.approx(1.5) and ends["long"] == pytest.approx(3.0)
+
+
+def test_two_short_passes_side_by_side_run_as_if_alone_and_two_long_ones_slow_each_other():
+    ends = {}
+    sim = Simulation(cores=2, overheads=Overheads(outside=((1.0, 0.0),), beside=1.5))
+    sim.at(0.0, lambda: sim.start(1.0, 1, lambda: ends.setdefault("a", sim.now), length=16))
+    sim.at(0.0, lambda: sim.start(1.0, 1, lambda: ends.setdefault("b", sim.now), length=64))
+    sim.at(2.0, lambda: sim.start(1.0, 1, lambda: ends.setdefault("c", sim.now), length=128))
+    sim.at(2.0, lambda: sim.start(3.0, 1, lambda: ends.setdefault("d", sim.now), length=128))
+    sim.run(100)
+    assert ends["a"] == pytest.approx(1.0) and ends["b"] == pytest.approx(1.0)
+    # both at 1/1.5 until c ends at 3.5; then d alone: 2 s of its work left
+    assert ends["c"] == pytest.approx(3.5) and ends["d"] == pytest.approx(5.5)
 
 
 def test_outside_cores_follow_the_measured_curve():
