@@ -71,6 +71,9 @@ def _tune_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cores", type=int, help="cores of the machine that will serve (default: the profile's, "
                                                  "else this machine's)")
     parser.add_argument("--gpus", type=int, help="GPUs of the machine that will serve (default: the profile's)")
+    parser.add_argument("--overheads", metavar="JSON",
+                        help="what requests cost outside the passes on the serving machine, as bench/overheads.py "
+                             "measures it (default: the simulator's, measured on a 2-core x86_64 VM)")
 
 
 def _mode_arg(parser: argparse.ArgumentParser) -> None:
@@ -187,6 +190,9 @@ def _simulate_parser(sub) -> None:
     simulate.add_argument("--target-ms", type=float, default=DEFAULT_TARGET_MS, help=TARGET_HELP)
     simulate.add_argument("--cores", type=int, default=None, help="cores of the serving machine (default: the profile's)")
     simulate.add_argument("--seed", type=int, default=0)
+    simulate.add_argument("--overheads", metavar="JSON",
+                          help="what requests cost outside the passes on the serving machine, as bench/overheads.py "
+                               "measures it (default: the simulator's, measured on a 2-core x86_64 VM)")
 
 
 def cmd_simulate(args) -> int:
@@ -201,6 +207,7 @@ def cmd_simulate(args) -> int:
     cores = args.cores or profile.environment.get("cpu_count") or 2
     workers = int(config.get("minWorkers") or 1)
     try:
+        overheads = sim.Overheads.from_report(args.overheads) if args.overheads else sim.Overheads()
         tokens = sim.workload_tokens(args.workload)
         arms = [sim.Arm("tsbatch", config=handler, workers=workers,
                         batch_size=int(config.get("batchSize") or handler.queue_cap + 32)),
@@ -218,14 +225,15 @@ def cmd_simulate(args) -> int:
     print("  arm         rate  sent   200  503  504  short p50/p95/p99       long p50/p95/p99        padding")
     for rate in rates:
         for arm in arms:
-            point = sim.at_rate(arm, rate, tokens, profiles, max_length, args.duration, args.seed, cores=cores)
+            point = sim.at_rate(arm, rate, tokens, profiles, max_length, args.duration, args.seed, cores=cores,
+                                overheads=overheads)
             short, long = point.latency["short"], point.latency["long"]
             trio = lambda d: "/".join("-" if d[k] is None else f"{d[k]:g}" for k in ("p50", "p95", "p99"))  # noqa: E731
             print(f"  {arm.name:<10} {rate:>5g} {point.sent:>5} {point.ok:>5} {point.status.get('503', 0):>4} "
                   f"{point.status.get('504', 0):>4}  {trio(short):<22}  {trio(long):<22}  {point.padding_waste}")
     for arm in arms:
         found = sim.capacity(arm, tokens, profiles, max_length, args.target_ms, min(args.duration, 30.0), args.seed,
-                             cores=cores)
+                             cores=cores, overheads=overheads)
         say(f"capacity of {arm.name}: {found:g} req/s at p99 <= {args.target_ms:g} ms (every request answered 200)")
     return 0
 
@@ -325,7 +333,19 @@ def _request(args, task: str | None = None, need_model: bool = True) -> pipeline
                             getattr(args, "cores", None), getattr(args, "gpus", None), overrides, mode,
                             os.path.abspath(handler_file) if handler_file else None,
                             _extra_files(getattr(args, "extra_files", None)), model,
-                            None if generation else _workload(args))
+                            None if generation else _workload(args), _overheads(args))
+
+
+def _overheads(args) -> str | None:
+    """--overheads: checked now, so a wrong file is refused before anything is profiled."""
+    path = getattr(args, "overheads", None)
+    if path:
+        from tsbatch.archiver.simulate import Overheads
+        try:
+            Overheads.from_report(path)
+        except ValueError as error:
+            raise TuneError(f"--overheads: {error}") from None
+    return path
 
 
 def _workload(args) -> str | None:

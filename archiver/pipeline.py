@@ -24,6 +24,7 @@ from tsbatch.archiver.properties import (
 )
 from tsbatch.archiver.tune import Machine, TuneError, Tuning, frontend_keys, plan_workers, tune
 from tsbatch.archiver.tune_generation import MODE, plan_generation
+from tsbatch.archiver.simulate import Overheads
 from tsbatch.archiver.tune_sim import search
 from tsbatch.handlers.core.errors import ConfigError
 from tsbatch.handlers.edge.config import FrontendConfig, HandlerConfig, check_handler
@@ -50,6 +51,7 @@ class Request:
     extra_files: tuple[str, ...] = ()  # what that handler imports, placed beside it (absolute paths)
     model_section: Mapping[str, Any] = field(default_factory=dict)  # model-config.yaml's model:, for that handler's model
     workload: str | None = None  # what tune simulates candidates on (archiver/tune_sim.py); None: analytic only
+    overheads: str | None = None  # a bench/overheads.py report of the serving machine; None: the simulator's defaults
 
     def shipped(self) -> dict[str, str]:
         """Archive-root name -> local path of the team's extra files."""
@@ -157,7 +159,8 @@ def tune_for(request: Request, profile: LatencyProfile, mode: str | None = None)
     mode = mode or request.mode
     tuning = tune(profile, request.target_ms, machine, config, mode, fixed=request.section.keys())
     if request.workload and mode == "continuous":  # the simulator models continuous mode's calls
-        tuning = search(tuning, profile, request.section, request.workload)
+        overheads = Overheads.from_report(request.overheads) if request.overheads else None
+        tuning = search(tuning, profile, request.section, request.workload, overheads)
     return tuning, source
 
 

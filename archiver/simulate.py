@@ -64,8 +64,31 @@ class Overheads:
     # a pass runs this many times slower while a long pass (more than SHORT_TOKENS) runs beside
     # it: its memory traffic is the lanes' shared cost (fitted to a make bench search run's
     # x-tsbatch-timing; two short passes side by side ran as fast as alone in the short-only run)
-    beside: float = 1.38
+    beside: float = 1.383
     window: float = 1.0  # seconds over which the frontend's recent load is counted
+
+    @classmethod
+    def from_report(cls, path: str) -> "Overheads":
+        """The overheads a bench/overheads.py report measured (its `fit`, and `passes` when it fitted
+        `beside`): a machine other than the one the defaults come from brings its own."""
+        try:
+            with open(path) as f:
+                report = json.load(f)
+            fit = report["fit"]
+            curves = {name: tuple((float(rate), float(cores)) for rate, cores in fit[name])
+                      for name in ("outside", "outside_first_come")}
+        except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"{path}: not a bench/overheads.py report with a fit "
+                             f"(outside, outside_first_come): {error}") from None
+        if not all(curves.values()) or any(c < 0 or r <= 0 for curve in curves.values() for r, c in curve):
+            raise ValueError(f"{path}: each curve needs points of (requests/s > 0, cores >= 0)")
+        extra = {}
+        if fit.get("latency") is not None:
+            extra["latency"] = float(fit["latency"])
+        beside = (report.get("passes") or {}).get("beside")
+        if beside is not None:
+            extra["beside"] = float(beside)
+        return cls(**curves, **extra)
 
 
 @dataclass(frozen=True)

@@ -39,10 +39,11 @@ class Candidate:
 
 
 def search(tuning: Tuning, profile, section: Mapping[str, Any], workload: str = DEFAULT_WORKLOAD,
-           overheads: Overheads = Overheads(), seed: int = 0) -> Tuning:
+           overheads: Overheads | None = None, seed: int = 0) -> Tuning:
     """`tuning` with the candidate the simulator predicts best on `workload` (its handler keys and
     workers), every candidate's figures in `tuning.simulated`. TuneError when even the best is
     predicted below first-come batching."""
+    overheads = overheads or Overheads()
     edges = [s.bucket for s in profile.shapes]
     if not edges or not all(isinstance(b, int) for b in edges):
         return tuning  # models with several sizes (generation): the analytic tuning only

@@ -2,6 +2,9 @@
 figures move the way a worker's do (more load, longer queues; first-come pads, tsbatch does not)."""
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 
 from tsbatch.archiver.simulate import (Arm, Overheads, PassTimes, Simulation, at_rate, capacity, outside_cores, poisson,
@@ -9,6 +12,8 @@ from tsbatch.archiver.simulate import (Arm, Overheads, PassTimes, Simulation, at
 from tsbatch.handlers.core.buckets import default_edges
 from tsbatch.handlers.edge.config import HandlerConfig
 from tsbatch.warmup.profile import LatencyProfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 pytestmark = pytest.mark.unit
 
@@ -249,3 +254,34 @@ def test_a_profile_from_another_machine_or_other_threads_is_tuned_analytically()
     two_threads.environment.update({"task": "embedding", "threads_per_bucket": {"8": 2}, "cpu_count": 2})
     here = tune(two_threads, 500.0, Machine(2), HandlerConfig.from_yaml(section))
     assert search(here, two_threads, section, "two-cluster") is here  # lanes of 1 thread were never measured
+
+
+def test_overheads_measured_on_another_machine_come_from_its_report_and_change_the_figures(tmp_path, capsys):
+    from tsbatch.archiver.cli import main
+
+    shipped = Overheads.from_report(os.path.join(REPO, "bench", "results", "overheads.json"))
+    assert shipped.outside == Overheads().outside and shipped.beside == Overheads().beside  # the defaults cite it
+    busy = {"fit": {"outside": [[1.0, 0.05]], "outside_first_come": [[1.0, 0.05]], "latency": 0.02},
+            "passes": {"beside": 2.0}}
+    path = tmp_path / "overheads.json"
+    path.write_text(json.dumps(busy))
+    loaded = Overheads.from_report(str(path))
+    assert loaded.outside == ((1.0, 0.05),) and loaded.latency == 0.02 and loaded.beside == 2.0
+    (tmp_path / "bad.json").write_text(json.dumps({"fit": {"outside": []}}))
+    with pytest.raises(ValueError, match="bad.json"):
+        Overheads.from_report(str(tmp_path / "bad.json"))
+
+    profile = cpu_like(1)
+    profile.environment.update({"task": "embedding", "cpu_count": 2, "threads_per_bucket": {"8": 1}})
+    profile_path = tmp_path / "profile.json"
+    profile.save(str(profile_path))
+
+    def capacities(*extra: str) -> dict:
+        assert main(["simulate", "--profile", str(profile_path), "--workload", "short", "--duration", "10", *extra]) == 0
+        out = capsys.readouterr().out
+        found = [line.split("capacity of ")[1].split(": ") for line in out.splitlines() if "capacity of" in line]
+        return {arm: float(rest.split()[0]) for arm, rest in found}
+
+    # 0.05 cores per req/s outside: at 20 req/s a whole core is the frontend's
+    assert capacities("--overheads", str(path))["tsbatch"] < capacities()["tsbatch"]
+    assert main(["simulate", "--profile", str(profile_path), "--overheads", str(tmp_path / "bad.json")]) == 2
