@@ -33,10 +33,9 @@ def test_knee_is_the_capacity_and_the_first_miss_above_it():
     assert knee([point(8, 900)], 500) == (0.0, 8)
 
 
-def test_refine_bisects_each_arms_knee_and_the_capacity_follows(monkeypatch):
-    """Arm x serves up to 52 req/s, arm y up to 61: sweeps 8 apart say 48 and 56; two bisections
-    find 52 and 58 (a quarter step), each window at the arm's own midpoint, arms in turns."""
-    limits = {"x": 52, "y": 61}
+def fake_windows(monkeypatch, serves: dict) -> list:
+    """Live windows replaced: the arm at URL `u` meets the target up to `serves[u]` req/s (p99 100
+    ms) and misses above it (900 ms); returns the (url, rate) of each window sent, in order."""
     sent = []
 
     def fake_window(url, rate, duration, seed, requests=None):
@@ -44,8 +43,16 @@ def test_refine_bisects_each_arms_knee_and_the_capacity_follows(monkeypatch):
         return url, rate
 
     monkeypatch.setattr(sweeps, "window", fake_window)
-    monkeypatch.setattr(sweeps, "summarize", lambda run: {**point(run[1], 100 if run[1] <= limits[run[0]] else 900),
+    monkeypatch.setattr(sweeps, "summarize", lambda run: {**point(run[1], 100 if run[1] <= serves[run[0]] else 900),
                                                           "short": {"p99": 50}, "status": {}})
+    return sent
+
+
+def test_refine_bisects_each_arms_knee_and_the_capacity_follows(monkeypatch):
+    """Arm x serves up to 52 req/s, arm y up to 61: sweeps 8 apart say 48 and 56; two bisections
+    find 52 and 58 (a quarter step), each window at the arm's own midpoint, arms in turns."""
+    limits = {"x": 52, "y": 61}
+    sent = fake_windows(monkeypatch, limits)
     found = {arm: [point(r, 100 if r <= limits[arm] else 900) for r in (40, 48, 56, 64)] for arm in limits}
     refine({"x": "x", "y": "y"}, found, 1.0, 500, steps=2)
     assert sent == [("x", 52.0), ("y", 60.0), ("y", 62.0), ("x", 54.0)]
@@ -56,16 +63,7 @@ def test_refine_bisects_each_arms_knee_and_the_capacity_follows(monkeypatch):
 def test_a_first_miss_with_a_pass_above_it_is_measured_again_and_stands_only_if_missed_twice(monkeypatch):
     """Arm x stalled once at 16 (it serves 40); arm y really misses 24 and passes 32 by luck; arm z's
     first miss has nothing passing above it: not measured again."""
-    served = {"x": 40, "y": 20, "z": 20}
-    sent = []
-
-    def fake_window(url, rate, duration, seed, requests=None):
-        sent.append((url, rate))
-        return url, rate
-
-    monkeypatch.setattr(sweeps, "window", fake_window)
-    monkeypatch.setattr(sweeps, "summarize", lambda run: {**point(run[1], 100 if run[1] <= served[run[0]] else 900),
-                                                          "short": {"p99": 50}, "status": {}})
+    sent = fake_windows(monkeypatch, {"x": 40, "y": 20, "z": 20})
     found = {"x": [point(8, 100), point(16, 700), point(24, 200), point(32, 300), point(48, 900)],
              "y": [point(8, 100), point(16, 200), point(24, 600), point(32, 450), point(40, 900)],
              "z": [point(8, 100), point(16, 200), point(24, 900)]}
