@@ -20,7 +20,7 @@ ARCHIVE_ARGS ?=
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 SERVE_ENV = TMPDIR=$(RUN_DIR)/tmp TEMP=$(RUN_DIR)/tmp LOG_LOCATION=$(RUN_DIR)/logs METRICS_LOCATION=$(RUN_DIR)/logs PATH=$(CURDIR)/$(VENV)/bin:$$PATH
 
-.PHONY: setup java archive serve stop test test-unit test-transformers4 test-wheel bench-all bench-generate bench-many bench-saturation bench-frontend bench bench-warmup bench-warmup-served bench-idle bench-workers gpu-check soak chaos clean help
+.PHONY: setup java archive serve stop test test-unit test-transformers4 test-wheel bench-all bench-generate bench-many bench-saturation bench-frontend bench bench-warmup bench-warmup-served bench-idle bench-workers gpu-check soak chaos bench-recovery clean help
 
 help:
 	@echo "make serve    set up, archive all-MiniLM-L6-v2 as '$(NAME)' and serve it on 127.0.0.1:8080-8082"
@@ -41,6 +41,7 @@ help:
 	@echo "make gpu-check  every CUDA path in process on one GPU: warmup, CUDA graphs, out of memory, NVML, dtypes, throughput (bench/results/gpu-DATE.md; GPU_ARGS=--dry-run on the CPU; PYTHON=… for the GPU machine's own python)"
 	@echo "make soak     50,000 requests through async mode; frontend memory at start and end"
 	@echo "make chaos    worker killed mid-batch and overload at 3x capacity (bench/results/chaos.*)"
+	@echo "make bench-recovery  the shipped archive's worker killed under the mix, clients with and without X-Deadline-At: time until answers are in time again (bench/results/recovery.*; BENCH_ARGS=--profile FILE skips profiling)"
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -146,6 +147,9 @@ soak: setup
 
 chaos: setup
 	$(PYTHON) bench/chaos.py $(BENCH_ARGS)
+
+bench-recovery: setup java
+	$(PYTHON) bench/drills/recovery.py $(BENCH_ARGS)
 
 clean: stop
 	rm -rf $(STORE) $(RUN_DIR) .pytest_cache
