@@ -143,12 +143,12 @@ def run_arm(inference: str, management: str, log_path: str, header_ms: int | Non
     # answers from a new worker (the handler stamps its pid on 200s and on its own 503s and 504s)
     new = [(s.done_at - mono0, s.status) for s in results if s.answered and int(s.headers.get(WORKER_HEADER, old[0])) not in old]
     first, first_200 = min(new, default=None), min((t for t, status in new if status == 200), default=None)
-    bodies: dict[str, list[str]] = {}
+    refused: dict[str, dict] = {}  # each error status by who answered it: tsbatch's JSON or TorchServe's own
     for s in results:
         if s.answered and s.status != 200:
-            text = s.body.decode("utf-8", "replace").replace("\n", " ")[:150]
-            if text not in bodies.setdefault(str(s.status), []) and len(bodies[str(s.status)]) < 2:
-                bodies[str(s.status)].append(text)
+            key = f"{'handler' if isinstance(s.json(), dict) and 'error' in s.json() else 'frontend'} {s.status}"
+            body = s.body.decode("utf-8", "replace").replace("\n", " ")[:150]
+            refused.setdefault(key, {"count": 0, "body": body})["count"] += 1
     ready = wait_until(lambda: [w for w in server.workers(management, NAME)
                                 if w.get("status") == "READY" and int(w["pid"]) not in old], ready_timeout,
                        every=0.5, what="a new READY worker")
@@ -157,7 +157,7 @@ def run_arm(inference: str, management: str, log_path: str, header_ms: int | Non
             "header_ms": header_ms, "victim_pid": old[0], "killed_at_s": round(killed["at"], 3),
             "requests": len(results), "answered": sum(s.answered for s in results),
             "unanswered": sum(not s.answered for s in results), "by_status": by_status(results),
-            "error_bodies": bodies, "client_lag_p99_ms": round(percentile([x * 1000 for x in lags], 99), 1),
+            "refused_by": refused, "client_lag_p99_ms": round(percentile([x * 1000 for x in lags], 99), 1),
             "restart_s": None if first is None else round(first[0] - killed["at"], 2),
             "first_200_s": None if first_200 is None else round(first_200 - killed["at"], 2), "new_pid": new_pid,
             "new_worker_warmup_s": warmups(read_text(log_path)).get(new_pid), "outcomes": outcomes}
@@ -259,10 +259,10 @@ def markdown(report: dict) -> str:
             lines.append(f"| {arm} | {int(ms) / 1000:g} s | {d['answered']} | {d['unanswered']} | {d['by_status']} | "
                          f"{f['ok_p50_s']} / {f['ok_p99_s']} / {f['ok_max_s']} s | {f['late_200']} | "
                          f"{_sec(d['restart_s'])} / {_sec(d['first_200_s'])} | {_sec(f['recovery_s'])} |")
-    lines += ["", "Per arm: the new worker's warmup, the client's lag, the error bodies (first two of each status).", ""]
+    lines += ["", "Per arm: the new worker's warmup, the client's lag, each error by who answered it (the first body).", ""]
     for arm, d in report["arms"].items():
         lines.append(f"- {arm}: warmup {d['new_worker_warmup_s']} s, client lag p99 {d['client_lag_p99_ms']} ms, "
-                     f"{d['error_bodies']}")
+                     + "; ".join(f"{k}: {v['count']} (`{v['body'][:90]}`)" for k, v in d["refused_by"].items()))
     lines += ["", "Per 2-s window after the kill (in time / sent; JSON has late, refused, unanswered):", ""]
     for arm, d in report["arms"].items():
         for ms, f in d["judged"].items():
