@@ -61,11 +61,9 @@ def windows(outcomes: Iterable[Outcome], kill_at: float, deadline_s: float, wind
     starts at the kill): per window its start (s after the kill), how many were sent, in time, 200
     but late, refused (any other status) and unanswered. Windows with nothing sent are kept."""
     after = [o for o in outcomes if o.at >= kill_at]
-    if not after:
-        return []
-    last = max(int((o.at - kill_at) // window_s) for o in after)
+    count = 1 + max((int((o.at - kill_at) // window_s) for o in after), default=-1)
     out = [{"from_s": round(k * window_s, 3), "sent": 0, "in_time": 0, "late_200": 0, "refused": 0, "unanswered": 0}
-           for k in range(last + 1)]
+           for k in range(count)]
     for o in after:
         w = out[int((o.at - kill_at) // window_s)]
         w["sent"] += 1
@@ -96,10 +94,12 @@ def figures(outcomes: Sequence[Outcome], kill_at: float, deadline_s: float, wind
     latency = [o.done - o.at for o in ok]
     late = [o.done - o.at - deadline_s for o in ok if not in_time(o, deadline_s)]
     misses = [o.at - kill_at for o in outcomes if o.at >= kill_at and not in_time(o, deadline_s)]
+    before = [in_time(o, deadline_s) for o in outcomes if o.at < kill_at]
     return {"deadline_s": deadline_s, "ok": len(ok), "ok_p50_s": rounded(percentile(latency, 50)),
             "ok_p99_s": rounded(percentile(latency, 99)), "ok_max_s": rounded(max(latency, default=None)),
             "late_200": len(late), "late_by_max_s": rounded(max(late, default=None)),
             "last_miss_after_kill_s": rounded(max(misses, default=None)),
+            "before_kill": {"sent": len(before), "in_time": sum(before)},
             "recovery_s": recovery_time(outcomes, kill_at, deadline_s, window_s),
             "windows": windows(outcomes, kill_at, deadline_s, window_s)}
 
@@ -118,8 +118,7 @@ def run_arm(inference: str, management: str, log_path: str, header_ms: int | Non
             arrivals: Sequence[float], kill_at: float, client_timeout: float, ready_timeout: float) -> dict:
     """One arm: the schedule sent open loop, the one worker SIGKILLed `kill_at` s in; Outcomes and
     the restart (kill -> the first answer from a new worker), then wait until that worker is READY."""
-    url = f"{inference}/predictions/{NAME}"
-    old = worker_pids(management, NAME)
+    url, old = f"{inference}/predictions/{NAME}", worker_pids(management, NAME)
     assert len(old) == 1, f"one worker expected, found {old}"
     killed, lags = {}, []
 
@@ -143,12 +142,13 @@ def run_arm(inference: str, management: str, log_path: str, header_ms: int | Non
     # answers from a new worker (the handler stamps its pid on 200s and on its own 503s and 504s)
     new = [(s.done_at - mono0, s.status) for s in results if s.answered and int(s.headers.get(WORKER_HEADER, old[0])) not in old]
     first, first_200 = min(new, default=None), min((t for t, status in new if status == 200), default=None)
-    refused: dict[str, dict] = {}  # each error status by who answered it: tsbatch's JSON or TorchServe's own
+    refused: dict[str, int] = {}  # each error by who answered it (tsbatch's JSON or TorchServe's own) and why
     for s in results:
         if s.answered and s.status != 200:
-            key = f"{'handler' if isinstance(s.json(), dict) and 'error' in s.json() else 'frontend'} {s.status}"
-            body = s.body.decode("utf-8", "replace").replace("\n", " ")[:150]
-            refused.setdefault(key, {"count": 0, "body": body})["count"] += 1
+            body = s.json() if isinstance(s.json(), dict) else {}
+            why = str(body.get("error") or body.get("message") or s.body[:60])[:60]
+            key = f"{'handler' if 'error' in body else 'frontend'} {s.status} {why}"
+            refused[key] = refused.get(key, 0) + 1
     ready = wait_until(lambda: [w for w in server.workers(management, NAME)
                                 if w.get("status") == "READY" and int(w["pid"]) not in old], ready_timeout,
                        every=0.5, what="a new READY worker")
@@ -259,15 +259,16 @@ def markdown(report: dict) -> str:
             lines.append(f"| {arm} | {int(ms) / 1000:g} s | {d['answered']} | {d['unanswered']} | {d['by_status']} | "
                          f"{f['ok_p50_s']} / {f['ok_p99_s']} / {f['ok_max_s']} s | {f['late_200']} | "
                          f"{_sec(d['restart_s'])} / {_sec(d['first_200_s'])} | {_sec(f['recovery_s'])} |")
-    lines += ["", "Per arm: the new worker's warmup, the client's lag, each error by who answered it (the first body).", ""]
+    lines += ["", "Per arm: the new worker's warmup, the client's lag, each error by who answered it and why (the message's start).", ""]
     for arm, d in report["arms"].items():
         lines.append(f"- {arm}: warmup {d['new_worker_warmup_s']} s, client lag p99 {d['client_lag_p99_ms']} ms, "
-                     + "; ".join(f"{k}: {v['count']} (`{v['body'][:90]}`)" for k, v in d["refused_by"].items()))
+                     + "; ".join(f"{k}…: {n}" for k, n in sorted(d["refused_by"].items())))
     lines += ["", "Per 2-s window after the kill (in time / sent; JSON has late, refused, unanswered):", ""]
     for arm, d in report["arms"].items():
         for ms, f in d["judged"].items():
             cells = " ".join(f"{w['in_time']}/{w['sent']}" for w in f["windows"])
-            lines.append(f"- {arm} at {int(ms) / 1000:g} s: {cells}")
+            b = f["before_kill"]
+            lines.append(f"- {arm} at {int(ms) / 1000:g} s: sent before the kill {b['in_time']}/{b['sent']}; after: {cells}")
     return "\n".join(lines) + "\n"
 
 

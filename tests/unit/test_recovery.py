@@ -79,6 +79,7 @@ def test_figures_of_an_arm_judged_against_a_deadline():
     assert f["ok_max_s"] == 3.0 and f["ok_p50_s"] == 0.1
     assert f["last_miss_after_kill_s"] == 2.5 and f["recovery_s"] == 4.0
     assert len(f["windows"]) == 10 and f["deadline_s"] == DEADLINE
+    assert f["before_kill"] == {"sent": 20, "in_time": 20}
 
 
 def test_the_drill_loads_neither_torch_nor_torchserve():
