@@ -34,7 +34,7 @@ help:
 	@echo "make bench-warmup-served  the same through torchserve, the shipped mode's lane threads, warmup on/off"
 	@echo "make bench-idle    one pass after idle pauses of 1-200 ms: how cold a waiting worker gets"
 	@echo "make bench-workers the built archive with 1, 2 and 3 workers: lone requests, mixed load, logs, idle CPU"
-	@echo "make bench-generate asks for 8 tokens among asks for 256: the generation example vs TorchServe's batching"
+	@echo "make bench-generate the generation engine (--task generation) vs TorchServe batching, the bucketed example and TorchServe continuous batching: TTFT, tokens/s, lost, equal to alone (#37)"
 	@echo "make bench-many     32 texts as one request against 32 requests: time, padding, equal vectors"
 	@echo "make bench-saturation  where a saturated worker's time goes, against the model's in-process ceiling"
 	@echo "make bench-frontend  TorchServe's own settings (Netty threads, GC, access log) under a saturated worker"
