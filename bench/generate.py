@@ -254,6 +254,22 @@ class Run:
         return out
 
 
+def lone(urls: dict[str, str], pool: list[mix.Ask], references: dict, tally: dict) -> dict:
+    """Each arm with one request in flight: a short ask and a long one, streamed, twice: what a
+    request costs with no company (its TTFT, and the whole 256-token answer)."""
+    sample = [next(a for a in pool if a.kind == "short"), next(a for a in pool if a.kind == "long")] * 2
+    out = {}
+    for arm, url in urls.items():
+        answers = one_by_one(url, sample, True)
+        tally[arm].add(answers, references)
+        out[arm] = {kind: {name: min((round(getattr(a, field) * 1000, 1) for a in answers
+                                      if a.ask.kind == kind and getattr(a, field) is not None), default=None)
+                           for name, field in (("ttft_ms", "first_chunk"), ("whole_ms", "done"))}
+                    for kind in ("short", "long")}
+        print(f"alone {arm}: {out[arm]}", flush=True)
+    return out
+
+
 def warm(urls: dict[str, str], pool: list[mix.Ask]) -> None:
     """A few asks one by one on every arm before anything is timed (first calls pay for lazy set-up)."""
     sample = [a for a in pool if a.kind == "short"][:3] + [a for a in pool if a.kind == "long"][:1]
@@ -301,6 +317,7 @@ def main() -> None:
     with Arms(root, built) as arms:
         warm(arms.urls, pool)
         run = Run(arms.urls, pool, references, args)
+        lone_figures = lone(arms.urls, pool, references, run.tally)
         cap, sweep = run.capacity_of_fifo()
         print(f"(a)'s capacity: {cap} req/s", flush=True)
         rate70 = round(0.7 * cap, 2) if cap else args.start_rate * 0.7
@@ -313,7 +330,7 @@ def main() -> None:
         "mix": {"prompt_tokens": mix.PROMPT_TOKENS, "short_new": mix.SHORT_NEW, "long_new": mix.LONG_NEW,
                 "long_share": args.long_share, "pool": args.pool},
         "arms": LABELS, "frontends": {"fifo": FIFO_FRONTEND, "continuous": CONTINUOUS_FRONTEND},
-        "fifo_capacity": cap, "sweep": sweep, "rate70": rate70, "ttft": ttft, "saturation": saturation,
+        "lone": lone_figures, "fifo_capacity": cap, "sweep": sweep, "rate70": rate70, "ttft": ttft, "saturation": saturation,
         "tally": {arm: t.as_dict() for arm, t in run.tally.items()}, "windows": run.log,
     }
     checks = mix.criteria({arm: p["short"]["ttft_p99"] for arm, p in ttft.items()},
@@ -346,6 +363,10 @@ def markdown(r: dict, checks: list) -> str:
         "one worker per arm, arms in turns.", "",
         "Arms:", *[f"- **{arm}**: {label}" for arm, label in r["arms"].items()], "",
         "## Criteria", "", *[criterion_line(c) for c in r["criteria"]], "",
+        "## Alone: one request in flight, streamed (best of two)", "",
+        "| arm | short ask TTFT | short ask whole | 256-token ask TTFT | 256-token ask whole |", "|---|---|---|---|---|",
+        *[f"| {arm} | {_f(x['short']['ttft_ms'])} ms | {_f(x['short']['whole_ms'])} ms | {_f(x['long']['ttft_ms'])} ms | "
+          f"{_f(x['long']['whole_ms'])} ms |" for arm, x in r["lone"].items()], "",
         f"## (a)'s capacity: {r['fifo_capacity']:g} req/s", "",
         f"A rate passes when every request is answered 200 and whole answers' p99 is within {a['target_ms']:g} ms; "
         f"windows of {a['sweep_seconds']:g} s, geometric steps of {a['factor']:g}x, then one bisection. Capacity: the "
