@@ -25,7 +25,7 @@ One run, open-loop Poisson arrivals, arms in turns:
 Every answer of every window is checked against its ask's answer alone. Writes
 bench/results/generate.json and .md.
 
-    python bench/generate.py [--quick] [--target-ms 4000] [--rounds 2] ...
+    python bench/generate.py [--quick] [--target-ms 8000] [--rounds 2] ...
 """
 from __future__ import annotations
 
@@ -284,7 +284,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--long-share", type=float, default=0.15, help="share of asks for 256 new tokens")
     parser.add_argument("--pool", type=int, default=64, help="distinct asks (each answered alone first)")
-    parser.add_argument("--target-ms", type=float, default=4000, help="p99 of whole answers within which a rate passes")
+    parser.add_argument("--target-ms", type=float, default=8000, help="p99 of whole answers within which a rate passes")
     parser.add_argument("--start-rate", type=float, default=0.75)
     parser.add_argument("--factor", type=float, default=1.5, help="the sweep's step, a ratio")
     parser.add_argument("--max-sweep", type=int, default=8)
