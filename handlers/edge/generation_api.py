@@ -1,8 +1,8 @@
 """The generation handler's contract: its `handler:` settings, what a request says, what it is answered.
 
 Request: JSON {"text": "...", "max_new_tokens": 16, "stream": false} (max_new_tokens and stream
-optional) or a plain-text body; headers X-Priority (high, normal, low) and X-Deadline-Ms, as in
-the encoder modes. Answer: {"generated_text": "...", "new_tokens": n, "finish_reason": "eos" or
+optional) or a plain-text body; headers X-Priority (high, normal, low), X-Deadline-Ms and
+X-Deadline-At, read by the encoder modes' own rules (handlers/edge/stages.py). Answer: {"generated_text": "...", "new_tokens": n, "finish_reason": "eos" or
 "length"}. A streamed answer is newline-delimited JSON: one {"token": id, "text": "..."} line per
 token as it is made, then the whole answer as its last line (or {"error": ..., "code": N} when it
 failed after its first line; before that it is answered with its own status like any request).
@@ -17,10 +17,10 @@ from typing import Any, Mapping
 
 from tsbatch.handlers.core.errors import BadInput, ConfigError
 from tsbatch.handlers.core.generation_policy import GenerationSettings, Priority
-from tsbatch.handlers.edge.config import BOOL, POSITIVE_INT, STRING, Check, keys_of, optional, setting
+from tsbatch.handlers.edge.config import BOOL, NON_EMPTY_STRING, POSITIVE_INT, STRING, Check, keys_of, optional, setting
+from tsbatch.handlers.edge.stages import client_deadline
 
-PRIORITY_HEADER = "x-priority"  # the encoder modes' names for the same two headers
-DEADLINE_HEADER = "x-deadline-ms"
+PRIORITY_HEADER = "x-priority"  # the encoder modes' name for the same header
 TASK = "generation"
 EXAMPLE = 'send JSON {"text": "...", "max_new_tokens": N, "stream": false} or a plain-text body'
 
@@ -79,8 +79,12 @@ class GenerationConfig:
                                      POSITIVE_INT)
     preempt_for_priority: bool = _setting(True, "a waiting request may preempt running ones of a lower class "
                                                "(recomputed later)", BOOL)
-    deadline_ms: int = _setting(120000, "the longest a request may take in all (504 past it); X-Deadline-Ms may "
-                                       "only shorten it", POSITIVE_INT)
+    deadline_ms: int = _setting(120000, "the longest a request may take in all (504 past it); X-Deadline-Ms or "
+                                       "X-Deadline-At may only shorten it", POSITIVE_INT)
+    fault_oom_substring: str | None = _setting(None, "chaos testing, off unless set: the first step that holds a "
+                                                     "request whose text contains this runs out of memory (once per "
+                                                     "request), as a step too big for the device would",
+                                               optional(NON_EMPTY_STRING))
 
     @classmethod
     def from_section(cls, section: Mapping[str, Any] | None) -> "GenerationConfig":
@@ -154,19 +158,12 @@ def priority_of(headers: Mapping[str, Any]) -> Priority:
     return Priority.parse(headers.get(PRIORITY_HEADER))
 
 
-def deadline_of(headers: Mapping[str, Any], config: GenerationConfig, now: float) -> float:
-    """Monotonic seconds by which the answer must be complete: deadline_ms, or X-Deadline-Ms if shorter."""
-    ms = config.deadline_ms
-    asked = headers.get(DEADLINE_HEADER)
-    if asked is not None:
-        try:
-            asked = int(asked)
-        except (TypeError, ValueError):
-            raise BadInput(f"X-Deadline-Ms must be a whole number of milliseconds, got {asked!r}") from None
-        if asked < 1:
-            raise BadInput(f"X-Deadline-Ms must be positive, got {asked}")
-        ms = min(ms, asked)
-    return now + ms / 1000
+def deadline_of(headers: Mapping[str, Any], config: GenerationConfig, now: float, wall: float | None = None) -> float:
+    """Monotonic seconds by which the answer must be complete: deadline_ms, or what the client asked
+    (X-Deadline-Ms, X-Deadline-At: stages.client_deadline, the encoder modes' one rule) if sooner."""
+    asked = client_deadline(dict(headers), now, wall)
+    longest = now + config.deadline_ms / 1000
+    return longest if asked is None else min(longest, asked)
 
 
 def answer_body(text: str, new_tokens: int, finish_reason: str) -> dict:

@@ -370,6 +370,31 @@ def test_an_ask_is_json_or_plain_text_and_a_deadline_header_may_only_shorten_the
         deadline_of({"x-deadline-ms": "soon"}, config, 10.0)
 
 
+def test_generation_reads_x_deadline_at_by_the_encoder_modes_rule():
+    """One home for the deadline rule (stages.client_deadline): an absolute X-Deadline-At counts
+    against the wall clock, the earlier of both headers wins, the config's deadline_ms caps all."""
+    from tsbatch.handlers.edge.generation_api import GenerationConfig, deadline_of
+
+    config = GenerationConfig(deadline_ms=5000)
+    assert deadline_of({"x-deadline-at": "1000.5"}, config, 10.0, wall=1000.0) == pytest.approx(10.5)
+    assert deadline_of({"x-deadline-at": "1003", "x-deadline-ms": "1000"}, config, 10.0,
+                       wall=1000.0) == pytest.approx(11.0)
+    assert deadline_of({"x-deadline-at": "2000"}, config, 10.0, wall=1000.0) == 15.0  # never past deadline_ms
+    assert deadline_of({"x-deadline-at": "999"}, config, 10.0, wall=1000.0) == pytest.approx(9.0)  # past: 504
+    for bad in ("tomorrow", "-1", "inf"):
+        with pytest.raises(BadInput, match="X-Deadline-At must be a wall-clock instant"):
+            deadline_of({"x-deadline-at": bad}, config, 10.0, wall=1000.0)
+
+
+def test_the_out_of_memory_fault_is_off_by_default_and_checked_at_load():
+    from tsbatch.handlers.edge.generation_api import GenerationConfig
+
+    assert GenerationConfig().fault_oom_substring is None
+    assert GenerationConfig.from_section({"fault_oom_substring": "OOM"}).fault_oom_substring == "OOM"
+    with pytest.raises(ConfigError, match="fault_oom_substring must not be empty"):
+        GenerationConfig.from_section({"fault_oom_substring": ""})
+
+
 def test_a_stream_hands_out_text_pieces_that_join_to_the_whole_text():
     from tsbatch.handlers.edge.generation_api import TextStream
 
