@@ -9,7 +9,7 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 TEXT = "text/plain"
 
@@ -57,9 +57,20 @@ def request_head(host: str, path: str, content_type: str, length: int, headers: 
             f"Content-Length: {length}\r\n{connection}\r\n").encode()
 
 
-async def read_response(reader: asyncio.StreamReader) -> tuple[int, dict, bytes]:
+async def read_response(reader: asyncio.StreamReader,
+                        first_piece: Callable[[], None] | None = None) -> tuple[int, dict, bytes]:
     """One HTTP/1.1 response: TorchServe keeps connections open, so read by length or chunks.
-    Returns (status, {lower-cased name: value} as bytes, body)."""
+    Returns (status, {lower-cased name: value} as bytes, body). `first_piece`, if given, is called
+    once when the body's first non-empty chunk is in (a body sent by length: when it is all in),
+    so a stream's time to its first token can be taken."""
+    told = first_piece is None
+
+    def tell(piece: bytes) -> None:
+        nonlocal told
+        if piece and not told:
+            told = True
+            first_piece()
+
     blob = await reader.readuntil(b"\r\n\r\n")
     lines = blob[:-4].split(b"\r\n")
     status = int(lines[0].split()[1])
@@ -78,16 +89,21 @@ async def read_response(reader: asyncio.StreamReader) -> tuple[int, dict, bytes]
                     pass
                 return status, headers, b"".join(chunks)
             chunks.append(await reader.readexactly(size))
+            tell(chunks[-1])
             await reader.readexactly(2)
     if b"content-length" in headers:
-        return status, headers, await reader.readexactly(int(headers[b"content-length"]))
-    return status, headers, await reader.read(-1)
+        body = await reader.readexactly(int(headers[b"content-length"]))
+    else:
+        body = await reader.read(-1)
+    tell(body)
+    return status, headers, body
 
 
 async def shoot(url: str, body: bytes, content_type: str = TEXT, headers: dict | None = None,
-                timeout: float = 60.0, tag: str = "") -> Shot:
+                timeout: float = 60.0, tag: str = "", first_piece: Callable[[], None] | None = None) -> Shot:
     """POST `body` on a fresh connection (Connection: close); never raises: failures are recorded.
-    `timeout` bounds the whole exchange, connect to last byte: past it the request is unanswered."""
+    `timeout` bounds the whole exchange, connect to last byte: past it the request is unanswered.
+    `first_piece`: see read_response."""
     host, port, path = split_url(url)
     head = request_head(f"{host}:{port}", path, content_type, len(body), headers)
     shot = Shot(time.monotonic(), tag=tag)
@@ -98,7 +114,7 @@ async def shoot(url: str, body: bytes, content_type: str = TEXT, headers: dict |
             reader, writer = await asyncio.open_connection(host, port)
             writer.write(head + body)
             await writer.drain()
-            status, raw_headers, payload = await read_response(reader)
+            status, raw_headers, payload = await read_response(reader, first_piece)
     except Exception as error:  # noqa: BLE001 - a lost answer is data here, not a crash
         shot.error = type(error).__name__
         return shot
