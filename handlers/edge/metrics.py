@@ -49,7 +49,29 @@ SPECS = {s.name: s for s in (
     Spec("tsbatch_gpu_memory_used_bytes", GAUGE, "bytes", ("device",), "GPU memory used (nvidia-ml-py)"),
     Spec("tsbatch_gpu_memory_total_bytes", GAUGE, "bytes", ("device",), "GPU memory total (nvidia-ml-py)"),
     Spec("tsbatch_gpu_utilization_ratio", GAUGE, "ratio", ("device",), "GPU busy share (nvidia-ml-py)"),
+    # generation (task: generation): the decode loop of handlers/runtime/generation_engine.py
+    Spec("tsbatch_generation_time_to_first_token_seconds", HISTOGRAM, "seconds", (), "from a request's arrival at the handler to its first token"),
+    Spec("tsbatch_generation_time_per_output_token_seconds", HISTOGRAM, "seconds", (), "a finished request's time after its first token, per later token"),
+    Spec("tsbatch_generation_running_sequences", GAUGE, "count", (), "sequences decoding in the worker's steps"),
+    Spec("tsbatch_generation_waiting_sequences", GAUGE, "count", (), "sequences waiting to join (preempted ones included)"),
+    Spec("tsbatch_generation_kv_cache_tokens", GAUGE, "count", (), "KV-cache tokens the running sequences hold"),
+    Spec("tsbatch_generation_kv_cache_bound_tokens", GAUGE, "count", (), "KV-cache tokens allowed at once (learned lower after out of memory)"),
+    Spec("tsbatch_generation_token_budget_tokens", GAUGE, "count", (), "tokens fed to the model in one step at most"),
+    Spec("tsbatch_generation_output_tokens_total", COUNTER, "count", (), "tokens generated, all sequences (rate(): tokens/s)"),
+    Spec("tsbatch_generation_preemptions_total", COUNTER, "count", (), "sequences preempted (their seat lost, recomputed later)"),
+    Spec("tsbatch_generation_out_of_memory_steps_total", COUNTER, "count", (), "steps that ran out of memory (none advanced)"),
+    Spec("tsbatch_generation_cancelled_total", COUNTER, "count", (), "sequences freed because their client disconnected"),
 )}
+# engine stats -> the counter that reports their growth
+GENERATION_COUNTERS = {"tokens": "tsbatch_generation_output_tokens_total",
+                       "preemptions": "tsbatch_generation_preemptions_total",
+                       "out_of_memory_steps": "tsbatch_generation_out_of_memory_steps_total",
+                       "cancelled": "tsbatch_generation_cancelled_total"}
+GENERATION_GAUGES = {"running": "tsbatch_generation_running_sequences",
+                     "waiting": "tsbatch_generation_waiting_sequences",
+                     "kv_tokens": "tsbatch_generation_kv_cache_tokens",
+                     "kv_bound": "tsbatch_generation_kv_cache_bound_tokens"}
+GENERATION_EVERY_S = 0.5  # a step takes milliseconds: its gauges and counters go out at most this often
 BASE_LABELS = ("ModelName", "Level")  # TorchServe's own dimensions for model metrics
 
 
@@ -68,6 +90,8 @@ class Metrics:
         self._lock = threading.Lock()
         self._calls = 0  # handler calls not yet emitted
         self._calls_emitted = clock()
+        self._generation_sent: dict[str, int] = {}  # engine counters as last emitted
+        self._generation_at = float("-inf")
 
     def emit(self, name: str, value: float, **labels: Any) -> None:
         spec = SPECS[name]
@@ -127,6 +151,33 @@ class Metrics:
         if now - self._calls_emitted >= 1.0:
             self.emit("tsbatch_handler_calls_total", self._calls)
             self._calls, self._calls_emitted = 0, now
+
+    def generation_budget(self, token_budget: int) -> None:
+        self.emit("tsbatch_generation_token_budget_tokens", token_budget)
+
+    def generation_step(self, stats: dict, ended: list) -> None:
+        """After an engine step: the time to first token and per output token of each sequence that
+        finished, and (at most every GENERATION_EVERY_S, and whenever the worker falls idle) the
+        gauges and the counters' growth. Called from the engine's thread only."""
+        for seq in ended:
+            first, end, tokens = seq.first_token_at, seq.ended_at, len(seq.tokens)
+            if first is None or end is None or getattr(seq.status, "value", "") != "finished":
+                continue
+            self.emit("tsbatch_generation_time_to_first_token_seconds", round(first - seq.request.arrived, 6))
+            if tokens > 1:
+                self.emit("tsbatch_generation_time_per_output_token_seconds", round((end - first) / (tokens - 1), 6))
+        now = self.clock()
+        idle = not stats["running"] and not stats["waiting"]
+        if not idle and now - self._generation_at < GENERATION_EVERY_S:
+            return
+        self._generation_at = now
+        for key, name in GENERATION_GAUGES.items():
+            self.emit(name, stats[key])
+        for key, name in GENERATION_COUNTERS.items():
+            grown = stats[key] - self._generation_sent.get(key, 0)
+            if grown > 0:
+                self.emit(name, grown)
+                self._generation_sent[key] = stats[key]
 
     def warmup(self, profile: Any) -> None:
         for shape in profile.shapes:
