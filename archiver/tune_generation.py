@@ -77,7 +77,7 @@ def plan_generation(machine: Machine, config: GenerationConfig, fixed: Iterable[
             handler[f.name] = Choice(threads, f"{machine.cores} cores shared by {workers.value} worker(s)")
         elif f.name in fixed:
             handler[f.name] = Choice(value, "set in the handler configuration")
-        elif value is not None:
+        else:  # every key written out, a null one too (the fault injection: off)
             handler[f.name] = Choice(value, f"default: {f.metadata[SETTING].doc}")
     properties = {
         "default_workers_per_model": Choice(workers.value, "the same as model-config.yaml's minWorkers, which wins for "

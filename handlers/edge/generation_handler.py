@@ -8,6 +8,12 @@ are handlers/edge/generation_api.py's.
 
 Reply, at the end, is how one answer goes back through TorchServe 0.12's async frontend, over
 HTTP or gRPC.
+
+A client that disconnects: TorchServe 0.12 does not tell an async worker (handlers/edge/client_watch.py
+says what its sources show), so each request remembers the frontend's client connections open when it
+arrived and, while it waits for tokens, looks every CHECK_EVERY seconds whether any is still open;
+once none is, its sequence is cancelled (the seat is free at the next step) and the frontend's job is
+ended with a final reply nobody reads.
 """
 from __future__ import annotations
 
@@ -21,8 +27,10 @@ from http import HTTPStatus
 from tsbatch.handlers.core.errors import BadInput, InputTooLong, ModelFailed, Overloaded, ServingError
 from tsbatch.handlers.core.generation_policy import GenerationRequest, GenerationPolicy, Status
 from tsbatch.handlers.edge import socket_guard
+from tsbatch.handlers.edge.client_watch import ClientWatch
 from tsbatch.handlers.edge.generation_api import (GenerationConfig, TextStream, answer_body, deadline_of, kv_bound_for,
                                                   line, parse_ask, priority_of)
+from tsbatch.handlers.edge.metrics import Metrics
 from tsbatch.handlers.edge.stages import is_http
 
 logger = logging.getLogger(__name__)
@@ -32,6 +40,13 @@ JSON = "application/json"
 NDJSON = "application/x-ndjson"
 WORKER_HEADER = "x-tsbatch-worker"  # as the encoder modes write it: pid of the worker that answered
 STREAM_NEXT = "ts_stream_next"
+CHECK_EVERY = 0.25  # seconds between looks at whether a waiting request's client is still connected
+
+
+class ClientGone(ServingError):
+    """The client disconnected: its answer ends the frontend's job; nobody reads it."""
+
+    status = 408
 
 
 class GenerationHandler:
@@ -42,6 +57,7 @@ class GenerationHandler:
         self.config: GenerationConfig | None = None
         self.runner = None
         self.engine = None
+        self.watch = ClientWatch(None)
 
     def initialize(self, context) -> None:
         import torch
@@ -65,7 +81,13 @@ class GenerationHandler:
             free, _total = torch.cuda.mem_get_info(self.runner.device)
             device_bound = kv_bound_for(free, self.runner.kv_bytes_per_token, config.kv_memory_share)
         settings = config.settings(device_bound)
-        self.engine = GenerationEngine(GenerationPolicy(settings), self.runner).start()
+        metrics = Metrics(getattr(context, "metrics", None), context.model_name)
+        metrics.generation_budget(settings.token_budget)
+        self.engine = GenerationEngine(GenerationPolicy(settings), self.runner, metrics=metrics).start()
+        self.watch = ClientWatch.of_frontend()
+        if config.fault_oom_substring is not None:
+            logger.warning("fault injection is ON: a request whose text contains %r runs out of memory once",
+                           config.fault_oom_substring)
         logger.info("tsbatch generation loaded %s on %s: token_budget=%d kv_bound=%d (%d bytes a token) "
                     "max_running=%d in %.1fs", type(self.runner.lm).__name__, device, settings.token_budget,
                     settings.kv_bound, self.runner.kv_bytes_per_token, settings.max_running, time.monotonic() - started)
@@ -94,8 +116,15 @@ class GenerationHandler:
             logger.exception("tsbatch generation: request %s", context.request_ids.get(index))
             reply.fail(ModelFailed(f"the handler failed on this request: {type(error).__name__}"))
             return reply.final()
+        seen = self.watch.open_now(since=seq.request.arrived)
         try:
-            await (self._stream if ask.stream else self._whole)(seq, waiter, reply)
+            await (self._stream if ask.stream else self._whole)(seq, _Events(waiter, self.watch, seen), reply)
+        except ClientGone as gone:
+            if self.engine.cancel(seq):
+                logger.info("tsbatch generation: the client of %s went away after %d tokens: its seat is free",
+                            seq.rid, len(seq.tokens))
+            if not reply.pieces:
+                reply.fail(gone)  # ends the frontend's job, which a plain empty reply would not
         except Exception:  # noqa: BLE001 - e.g. the event loop closing: free the seat, never raise
             logger.exception("tsbatch generation: answering %s", seq.rid)
             self.engine.cancel(seq)
@@ -115,11 +144,13 @@ class GenerationHandler:
                                f"than the model's {self.runner.max_positions} positions: shorten one")
         waiter = AsyncWaiter(asyncio.get_running_loop())
         rid = str(context.request_ids.get(index, index))
-        seq = self.engine.submit(GenerationRequest(rid, tuple(prompt), ask.max_new_tokens, now, priority, deadline), waiter)
+        fault = self.config.fault_oom_substring
+        seq = self.engine.submit(GenerationRequest(rid, tuple(prompt), ask.max_new_tokens, now, priority, deadline), waiter,
+                                 fault_oom=fault is not None and fault in ask.text)
         return seq, waiter, ask
 
     async def _whole(self, seq, waiter, reply: Reply) -> None:
-        while (await waiter.next_event())[0] != "end":
+        while (await waiter.next())[0] != "end":
             pass
         _timing(reply, seq)
         if seq.status is not Status.FINISHED:
@@ -130,7 +161,7 @@ class GenerationHandler:
     async def _stream(self, seq, waiter, reply: Reply) -> None:
         text = TextStream(self.runner.decode_text)
         while True:
-            kind, value = await waiter.next_event()
+            kind, value = await waiter.next()
             if not reply.pieces:  # the first reply fixes the headers: the time to the first token is what they can say
                 _timing(reply, seq)
             if kind == "token":
@@ -141,6 +172,26 @@ class GenerationHandler:
             else:
                 reply.fail(seq.error or ModelFailed("the request ended without an answer"))
             return
+
+
+class _Events:
+    """A request's waiter, looked through: its next event, or ClientGone once its client is (looked
+    at every CHECK_EVERY seconds, whether tokens come fast or not at all)."""
+
+    def __init__(self, waiter, watch: ClientWatch, seen: frozenset):
+        self.waiter, self.watch, self.seen = waiter, watch, seen
+        self.looked = time.monotonic()
+
+    async def next(self):
+        while True:
+            event = await self.waiter.next_event(CHECK_EVERY)
+            now = time.monotonic()
+            if now - self.looked >= CHECK_EVERY:
+                self.looked = now
+                if self.watch.gone(self.seen):
+                    raise ClientGone("the client disconnected")
+            if event is not None:
+                return event
 
 
 def _headers(context, index: int) -> dict:

@@ -7,10 +7,17 @@ it the same way, without a re-run). A step that runs out of memory advances nobo
 learns a lower KV-cache bound and the next plan preempts down to it, so the step is retried
 without the youngest or lowest-priority sequences. Tokens reach the waiter as they are made
 (`waiter.token(seq, token)`), the end once (`waiter.settle(seq)`: `seq.tokens`, or `seq.error`).
+
+Fault injection (chaos testing, off unless `handler.fault_oom_substring` is set): a sequence
+submitted with `fault_oom=True` makes the first step that holds it run out of memory, once, as a
+step too big for the device would (raised where the runner would raise it, so the same recovery runs).
+Metrics: `metrics` (handlers/edge/metrics.py's Metrics, or None) hears each settled step and each
+sequence that ends.
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import threading
 import time
@@ -37,30 +44,45 @@ class Waiter(Protocol):
 
 class AsyncWaiter:
     """A sequence's tokens and end, handed from the engine's thread to a coroutine on `loop`:
-    `await next_event()` gives ("token", id) for each token, then ("end", seq) once."""
+    `await next_event()` gives ("token", id) for each token, then ("end", seq) once; with a
+    `timeout`, None when nothing came in that long (nothing is lost: the event stays queued)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.events: collections.deque = collections.deque()
+        self.arrived = asyncio.Event()
 
     def token(self, seq: Seq, token: int) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, ("token", token))
+        self.loop.call_soon_threadsafe(self._put, ("token", token))
 
     def settle(self, seq: Seq) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, ("end", seq))
+        self.loop.call_soon_threadsafe(self._put, ("end", seq))
 
-    async def next_event(self) -> tuple[str, Any]:
-        return await self.queue.get()
+    def _put(self, event: tuple[str, Any]) -> None:
+        self.events.append(event)
+        self.arrived.set()
+
+    async def next_event(self, timeout: float | None = None) -> tuple[str, Any] | None:
+        while not self.events:
+            self.arrived.clear()
+            try:
+                await asyncio.wait_for(self.arrived.wait(), timeout)
+            except asyncio.TimeoutError:
+                return None
+        return self.events.popleft()
 
 
 class GenerationEngine:
     """Runs the policy's plans on the runner; `step()` is one iteration, `start()` a thread of them."""
 
     def __init__(self, policy: GenerationPolicy, runner: GenerationRunner,
-                 clock: Callable[[], float] = time.monotonic, name: str = "tsbatch-generation"):
+                 clock: Callable[[], float] = time.monotonic, name: str = "tsbatch-generation", metrics: Any = None):
         self.policy = policy
         self.runner = runner
         self.clock = clock
+        self.metrics = metrics
+        self.fault_oom: set[Seq] = set()  # fault injection: each makes its first step run out of memory
+        self.cancelled = 0  # sequences whose client went away while they were live
         self.cond = threading.Condition()  # guards the policy; the model runs outside it
         self.caches: dict[Seq, SequenceCache] = {}  # the loop's own: running sequences' KV caches
         self.splits = 0  # parts of steps that raised and were re-run in halves
@@ -69,17 +91,24 @@ class GenerationEngine:
         self.stopping = False
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
 
-    def submit(self, request: GenerationRequest, waiter: Any = None) -> Seq:
-        """Queue a request; Overloaded or OutOfMemory propagate at once (the policy's refusals)."""
+    def submit(self, request: GenerationRequest, waiter: Any = None, fault_oom: bool = False) -> Seq:
+        """Queue a request; Overloaded or OutOfMemory propagate at once (the policy's refusals).
+        `fault_oom`: fault injection, its first step runs out of memory."""
         with self.cond:
             seq = self.policy.submit(request, waiter)
+            if fault_oom:
+                self.fault_oom.add(seq)
             self.cond.notify_all()
         return seq
 
     def cancel(self, seq: Seq) -> bool:
-        """The client went away: its seat and cache are freed at the next step boundary."""
+        """The client went away: its seat is freed now, its cache at the next step boundary."""
         with self.cond:
-            return self.policy.cancel(seq, self.clock())
+            live = self.policy.cancel(seq, self.clock())
+            if live:
+                self.cancelled += 1
+                self.fault_oom.discard(seq)
+        return live
 
     def start(self) -> "GenerationEngine":
         self.thread.start()
@@ -109,7 +138,10 @@ class GenerationEngine:
         for seq in plan.ended:
             _tell(seq, "settle")
         if not plan.runs:
-            return plan if plan.ended or plan.preempted else None
+            if plan.ended or plan.preempted:
+                self._report(plan.ended)
+                return plan
+            return None
         outcome, caches = self._run(plan)
         self.steps += 1
         self.tokens += len(outcome.tokens) - len(outcome.eos)  # an end-of-sequence token is no part of an answer
@@ -123,6 +155,7 @@ class GenerationEngine:
         self._drop_caches()
         for seq in ended:
             _tell(seq, "settle")
+        self._report(list(plan.ended) + list(ended))
         return plan
 
     def stats(self) -> dict[str, int]:
@@ -132,7 +165,16 @@ class GenerationEngine:
             s = self.policy
             return {"running": len(s.running), "waiting": len(s.waiting), "kv_tokens": s.kv_in_use,
                     "kv_bound": s.kv_bound, "steps": self.steps, "tokens": self.tokens, "preemptions": s.preemptions,
-                    "out_of_memory_steps": s.out_of_memory_steps, "splits": self.splits}
+                    "out_of_memory_steps": s.out_of_memory_steps, "splits": self.splits, "cancelled": self.cancelled}
+
+    def _report(self, ended: list[Seq]) -> None:
+        """Tell the metrics what this step changed; a metrics error is logged, never the loop's end."""
+        if self.metrics is None:
+            return
+        try:
+            self.metrics.generation_step(self.stats(), ended)
+        except Exception:  # noqa: BLE001
+            logger.exception("tsbatch generation: metrics failed")
 
     def _drop_caches(self) -> None:
         """Keep the caches of running sequences only (the loop's thread alone touches them)."""
@@ -178,6 +220,11 @@ class GenerationEngine:
             self._isolate(seqs[half:], prefill, results, failed)
 
     def _run_part(self, seqs: list[Seq], prefill: set[Seq]) -> dict[Seq, RowResult]:
+        injected = [seq for seq in seqs if seq in self.fault_oom]
+        if injected:
+            self.fault_oom.difference_update(injected)
+            raise OutOfMemory(f"fault injection: a generation step of {len(seqs)} sequences ran out of memory "
+                              f"(request {injected[0].rid})")
         joining = [seq for seq in seqs if seq in prefill]
         decoding = [seq for seq in seqs if seq not in prefill]
         missing = [seq.rid for seq in decoding if seq not in self.caches]

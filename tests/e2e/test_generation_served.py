@@ -25,7 +25,7 @@ TEXTS = ["A man is eating food.", "The weather is nice in the park today and the
 NEW = [8, 30, 5, 20, 12, 40]
 
 
-def make_lm(out: str) -> str:
+def make_lm(out: str, positions: int = 512) -> str:
     """A tiny random GPT-2 (2 layers, width 32: a step costs milliseconds) with the default model's
     WordPiece tokenizer, weights drawn wide so greedy output varies token to token, no
     end-of-sequence token (every answer runs to its max_new_tokens), untied input and output
@@ -39,7 +39,7 @@ def make_lm(out: str) -> str:
     [poison] = tokenizer(POISON, add_special_tokens=False)["input_ids"]
     assert all(poison not in tokenizer(t, add_special_tokens=False)["input_ids"] for t in TEXTS)
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=len(tokenizer), n_positions=512, n_embd=32, n_layer=2, n_head=2,
+    config = GPT2Config(vocab_size=len(tokenizer), n_positions=positions, n_embd=32, n_layer=2, n_head=2,
                         initializer_range=0.5, bos_token_id=None, eos_token_id=None,
                         pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
     model = GPT2LMHeadModel(config).eval()
