@@ -15,10 +15,8 @@ from urllib.parse import urlparse
 import pytest
 import requests
 
-from tsbatch.archiver import server
 from tests.e2e.client import post
-from tests.e2e.conftest import serve_archived
-from tests.e2e.test_generation_served import NAME, TEXTS, ask, headers, make_lm, worker_pids
+from tests.e2e.test_generation_served import NAME, TEXTS, ask, headers, make_lm, serving, worker_pids
 
 OOM = "oomnow"  # handler.fault_oom_substring below: a request holding it makes its first step run out of memory
 SEATS = 4
@@ -37,13 +35,7 @@ def lm(tmp_path_factory, model_dir):
     root = tmp_path_factory.mktemp("generation_faults")
     config = root / "handler.yaml"
     config.write_text(HANDLER_CONFIG)
-    served = serve_archived(root, "--task", "generation", "--model-dir", model_dir, "--name", NAME,
-                            "--handler-config", str(config))
-    try:
-        server.wait_ready(served.management, NAME, 600)
-        yield served
-    finally:
-        server.stop(served.paths)
+    yield from serving(root, model_dir, "--handler-config", str(config))
 
 
 def url(served) -> str:

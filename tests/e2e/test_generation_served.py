@@ -56,15 +56,20 @@ def model_dir(tmp_path_factory) -> str:
     return make_lm(str(tmp_path_factory.mktemp("lm") / "model"))
 
 
-@pytest.fixture(scope="module")
-def lm(tmp_path_factory, model_dir):
-    served = serve_archived(tmp_path_factory.mktemp("generation"), "--task", "generation", "--model-dir", model_dir,
-                            "--name", NAME)
+def serving(root, model_dir: str, *extra: str):
+    """The generation archive as `tsbatch archive --task generation` builds it (plus `extra` CLI
+    arguments), served until READY; stopped when the caller's fixture ends."""
+    served = serve_archived(root, "--task", "generation", "--model-dir", model_dir, "--name", NAME, *extra)
     try:
         server.wait_ready(served.management, NAME, 600)
         yield served
     finally:
         server.stop(served.paths)
+
+
+@pytest.fixture(scope="module")
+def lm(tmp_path_factory, model_dir):
+    yield from serving(tmp_path_factory.mktemp("generation"), model_dir)
 
 
 def url(served) -> str:
