@@ -1,0 +1,113 @@
+"""Generation's warmup plan and latency profile: the prefill shapes and decode batch sizes the
+generation engine forms, and what each cost when warmup ran it.
+
+Prefill pads every joining context to a length edge (`prefill_edge`), and the engine runs one
+prefill per edge in a step, so the shapes it can form are finite: (rows, edge) with rows x edge
+within the step's token budget, or one row of any edge (a step's first prefill may pass the
+budget). Decode runs every running sequence in one batch of 1..max_running rows; its cost grows
+with the longest context in it, so each batch size is timed at a short and a long context
+(`DECODE_CONTEXTS`, within the model's positions).
+
+Kept as generation_profile.json beside the model (the encoder's is latency_profile.json): the
+tuner reads it to set token_budget and max_running for a time-to-first-token and a
+time-per-output-token target. Pure: no torch, no clock.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from tsbatch.warmup.plan import Shape
+from tsbatch.warmup.profile import ShapeTiming, percentile
+
+GENERATION_PROFILE_FILE = "generation_profile.json"
+FIRST_EDGE = 8  # the shortest prefill edge: shorter contexts pad to it
+DECODE_CONTEXTS = (64, 512)  # KV-cache tokens per row at which each decode batch size is timed
+
+
+def prefill_edges(max_positions: int) -> tuple[int, ...]:
+    """Prefill length edges, each at most 1.5x the one before (8, 12, 16, 24, 32, 48, ...) so padding
+    costs at most a third more, ending at the model's positions."""
+    edges, edge = [], FIRST_EDGE
+    while edge < max_positions:
+        edges.append(edge)
+        edge = edge * 3 // 2 if edge & (edge - 1) == 0 else edge * 4 // 3  # 8 -> 12 -> 16 -> 24 -> 32
+    edges.append(max_positions)
+    return tuple(edges)
+
+
+def prefill_edge(length: int, edges: tuple[int, ...]) -> int:
+    """The edge a context of `length` tokens is padded to: the first that holds it."""
+    for edge in edges:
+        if length <= edge:
+            return edge
+    raise ValueError(f"a context of {length} tokens is past the longest edge {edges[-1]}")
+
+
+def prefill_shapes(edges: tuple[int, ...], max_running: int, token_budget: int) -> list[Shape]:
+    """Every prefill the engine can form: `rows` contexts padded to `edge`, rows x edge within the
+    budget, or one row alone. Shape.batch is rows, Shape.bucket the edge."""
+    return [Shape(rows, edge) for edge in edges
+            for rows in range(1, max(1, min(max_running, token_budget // edge)) + 1)]
+
+
+def decode_shapes(max_running: int, max_positions: int) -> list[Shape]:
+    """Every decode batch size, at each of DECODE_CONTEXTS that the model holds (Shape.bucket:
+    the context, KV-cache tokens per row)."""
+    contexts = sorted({min(context, max_positions - 1) for context in DECODE_CONTEXTS})
+    return [Shape(rows, context) for context in contexts for rows in range(1, max_running + 1)]
+
+
+@dataclass
+class GenerationProfile:
+    """What warmup measured: `prefill` per (rows, edge), `decode` per (rows, context), in ms."""
+
+    model: str
+    environment: dict[str, Any]
+    prefill: list[ShapeTiming] = field(default_factory=list)
+    decode: list[ShapeTiming] = field(default_factory=list)
+    warmup_seconds: float = 0.0
+
+    def add(self, kind: str, shape: Shape, first_ms: float, timings_ms: list[float]) -> ShapeTiming:
+        """Record one warmed shape; `kind` is "prefill" or "decode"."""
+        timing = ShapeTiming(shape.batch, shape.bucket, round(statistics.median(timings_ms), 3),
+                             round(percentile(timings_ms, 90), 3), len(timings_ms), round(first_ms, 3),
+                             round(first_ms + sum(timings_ms), 3))
+        getattr(self, kind).append(timing)
+        return timing
+
+    def prefill_timing(self, *, rows: int, edge: int) -> ShapeTiming | None:
+        return _find(self.prefill, rows, edge)
+
+    def decode_timing(self, *, rows: int, context: int) -> ShapeTiming | None:
+        return _find(self.decode, rows, context)
+
+    def to_json(self) -> str:
+        return json.dumps({"kind": "generation", **asdict(self)}, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "GenerationProfile":
+        data = json.loads(text)
+        if data.pop("kind", None) != "generation":
+            raise ValueError("not a generation profile (no \"kind\": \"generation\"): an encoder's latency profile?")
+        timings = {kind: [ShapeTiming(**s) for s in data.pop(kind, [])] for kind in ("prefill", "decode")}
+        return cls(**data, **timings)
+
+    @classmethod
+    def load(cls, path: str) -> "GenerationProfile":
+        with open(path) as f:
+            return cls.from_json(f.read())
+
+    def save(self, path: str) -> None:
+        """Whole or not at all, as LatencyProfile.save writes."""
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            f.write(self.to_json())
+        os.replace(tmp, path)
+
+
+def _find(timings: list[ShapeTiming], batch: int, bucket: int) -> ShapeTiming | None:
+    return next((t for t in timings if t.batch == batch and t.bucket == bucket), None)
