@@ -2,9 +2,11 @@
 
 `schedule(now)` plans a step: every running sequence decodes one token, and waiting requests are
 prefilled and join, in turn by priority class then arrival, while the step's tokens stay within
-`token_budget` (a decode feeds one token, a prefill its whole context; a step's first prefill
-may pass it, else a long prompt could never run) and the KV-cache tokens live after the step
-within `kv_bound`. What no longer fits is preempted: the lowest priority
+`token_budget` (a decode feeds one token, a prefill its whole context padded to its length edge,
+`prefill_edges`; a step's first prefill may pass it, else a long prompt could never run) and the
+KV-cache tokens live after the step within `kv_bound`. Counted padded, every prefill the engine
+runs (one per edge: rows x edge) is a shape of warmup/generation_profile.prefill_shapes, so
+warmup can run each one before READY. What no longer fits is preempted: the lowest priority
 first, then the youngest (last to join); it goes back to waiting and is recomputed from its
 prompt and the tokens it already has. A high-priority request may preempt lower classes to join.
 `finished(plan, outcome, now)` settles the step: a sequence leaves at end-of-sequence or at its
@@ -25,6 +27,7 @@ from typing import Any, Mapping
 from tsbatch.handlers.core.errors import (BadInput, ConfigError, DeadlineExceeded, ModelFailed, OutOfMemory, Overloaded,
                                           ServingError)
 from tsbatch.handlers.core.policy import Priority  # one X-Priority for every mode
+from tsbatch.warmup.generation_profile import prefill_edge
 
 
 class Status(enum.Enum):
@@ -105,6 +108,14 @@ class GenerationSettings:
     priority_aging: float = 0.0  # seconds of waiting that raise a request one class (0: never)
     preempt_for_priority: bool = True  # a waiting request may preempt running ones of a lower class
     oom_backoff: float = 0.9  # out of memory: kv_bound becomes at most this share of the failed step's tokens
+    prefill_edges: tuple[int, ...] = ()  # lengths a prefill pads its contexts to (ascending); (): to each context's own
+
+    def padded(self, context: int) -> int:
+        """What prefilling a context of `context` tokens costs in the token budget: the edge it pads
+        to (one past the last edge: itself; the handler refuses those before they get here)."""
+        if not self.prefill_edges or context > self.prefill_edges[-1]:
+            return context
+        return prefill_edge(context, self.prefill_edges)
 
     def __post_init__(self):
         for name in ("token_budget", "kv_bound", "max_running", "queue_cap"):
@@ -118,13 +129,16 @@ class GenerationSettings:
             raise ConfigError(f"generation oom_backoff must be between 0 and 1, got {self.oom_backoff!r}")
         if self.priority_aging < 0:
             raise ConfigError(f"generation priority_aging must be 0 or more seconds, got {self.priority_aging!r}")
+        if list(self.prefill_edges) != sorted(set(self.prefill_edges)) or any(e < 1 for e in self.prefill_edges):
+            raise ConfigError(f"generation prefill_edges must ascend from 1, got {self.prefill_edges!r}")
 
 
 @dataclass(frozen=True)
 class StepPlan:
     """One step: `decode` feed their last token, `prefill` their whole context (prompt plus tokens
     so far) and join; `preempted` lost their seat and their KV cache (recomputed later); `expired`
-    and `refused` leave now with their error. `tokens` fed and `kv_tokens` live after the step."""
+    and `refused` leave now with their error. `tokens` fed (prefills padded to their edges) and
+    `kv_tokens` live after the step."""
 
     decode: tuple[Seq, ...] = ()
     prefill: tuple[Seq, ...] = ()
@@ -233,7 +247,8 @@ class GenerationPolicy:
         for seq in sorted(self.waiting, key=lambda s: (s.effective_priority(now, aging), s.request.arrived)):
             if seq in preempted:  # not back in the same step it lost its seat
                 continue
-            over_budget = prefill and tokens + seq.context > self.settings.token_budget  # one prefill may exceed it
+            cost = self.settings.padded(seq.context)  # the step's prefills cost rows x edge per edge
+            over_budget = prefill and tokens + cost > self.settings.token_budget  # one prefill may exceed it
             if over_budget:
                 break
             seats = len(decode) + len(prefill) < self.settings.max_running
@@ -252,7 +267,7 @@ class GenerationPolicy:
             self.running.append(seq)
             prefill.append(seq)
             kv += seq.context
-            tokens += seq.context
+            tokens += cost
         return StepPlan(tuple(decode), tuple(prefill), tuple(preempted), tuple(expired), tuple(refused), tokens, kv)
 
     def finished(self, plan: StepPlan, outcome: StepOutcome, now: float) -> list[Seq]:

@@ -102,12 +102,13 @@ class GenerationConfig:
         config.settings()  # the policy's own checks, at load
         return config
 
-    def settings(self, kv_bound: int | None = None) -> GenerationSettings:
-        """The policy's settings; `kv_bound`: the device's own bound, where it is known (kv_bound_for)."""
+    def settings(self, kv_bound: int | None = None, prefill_edges: tuple[int, ...] = ()) -> GenerationSettings:
+        """The policy's settings; `kv_bound`: the device's own bound, where it is known (kv_bound_for);
+        `prefill_edges`: the model's (warmup/generation_profile.prefill_edges of its positions)."""
         kv_bound = self.kv_bound if kv_bound is None else min(self.kv_bound, kv_bound)
         return GenerationSettings(token_budget=self.token_budget, kv_bound=kv_bound, max_running=self.max_running,
                                 queue_cap=self.queue_cap, priority_aging=self.priority_aging_ms / 1000,
-                                preempt_for_priority=self.preempt_for_priority)
+                                preempt_for_priority=self.preempt_for_priority, prefill_edges=prefill_edges)
 
 
 def kv_bound_for(free_bytes: int, bytes_per_token: int, share: float) -> int:

@@ -32,6 +32,7 @@ from tsbatch.handlers.edge.generation_api import (GenerationConfig, TextStream, 
                                                   line, parse_ask, priority_of)
 from tsbatch.handlers.edge.metrics import Metrics
 from tsbatch.handlers.edge.stages import is_http
+from tsbatch.warmup.generation_profile import prefill_edges
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ class GenerationHandler:
         if on_gpu:
             free, _total = torch.cuda.mem_get_info(self.runner.device)
             device_bound = kv_bound_for(free, self.runner.kv_bytes_per_token, config.kv_memory_share)
-        settings = config.settings(device_bound)
+        settings = config.settings(device_bound, prefill_edges(self.runner.max_positions))
         metrics = Metrics(getattr(context, "metrics", None), context.model_name)
         metrics.generation_budget(settings.token_budget)
         self.engine = GenerationEngine(GenerationPolicy(settings), self.runner, metrics=metrics).start()

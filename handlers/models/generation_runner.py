@@ -97,13 +97,19 @@ class GenerationRunner:
     def decode_text(self, tokens: Sequence[int]) -> str:
         return self.tokenizer.decode(list(tokens), skip_special_tokens=True)
 
+    def example(self, length: int) -> list[int]:
+        """`length` real token ids (an ordinary sentence's, repeated): what warmup feeds."""
+        sentence = self.encode("The quick brown fox jumps over the lazy dog while the band plays on. ") or [self.pad_id]
+        return [sentence[i % len(sentence)] for i in range(length)]
+
     @torch.inference_mode()
-    def prefill(self, contexts: Sequence[Sequence[int]]) -> list[RowResult]:
-        """Feed each context (prompt plus tokens so far) whole, left-padded to the longest; raises
-        OutOfMemory when the step does not fit."""
+    def prefill(self, contexts: Sequence[Sequence[int]], pad_to: int = 0) -> list[RowResult]:
+        """Feed each context (prompt plus tokens so far) whole, left-padded to the longest or to
+        `pad_to` if longer (the engine pads to the contexts' length edge, so every prefill is a
+        shape warmup ran); raises OutOfMemory when the step does not fit."""
         if not contexts:
             return []
-        longest = max(len(c) for c in contexts)
+        longest = max(pad_to, max(len(c) for c in contexts))
         ids = torch.full((len(contexts), longest), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(contexts), longest), dtype=torch.long)
         for row, context in enumerate(contexts):
@@ -124,6 +130,7 @@ class GenerationRunner:
         same = rows[0][1].batch
         if same is not None and same.rows == len(rows) and all(c.batch is same and c.row == i for i, (_, c) in enumerate(rows)):
             layers = list(same.layers)  # the sequences of the last step, in its order: no copy
+            longest = same.layers[0][0].shape[-2]  # its padding as that step left it (a prefill's edge)
         else:
             layers = [self._combine([cache.layers[layer] for _, cache in rows], lengths, longest)
                       for layer in range(len(rows[0][1].layers))]

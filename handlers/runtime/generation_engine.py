@@ -1,6 +1,8 @@
 """The generation engine's loop: one thread that plans a step (GenerationPolicy), runs it on
 the model (GenerationRunner) and settles it, over and over while anything is live.
 
+Joining sequences prefill in one call per length edge (GenerationSettings.prefill_edges), each
+padded to its edge, so every prefill is a shape warmup ran before READY.
 A step that raises is run again in halves until each failing sequence is alone: it gets its own
 500, every other sequence keeps the token it would have got alone (NaN from one sequence fails
 it the same way, without a re-run). A step that runs out of memory advances nobody: the scheduler
@@ -231,10 +233,22 @@ class GenerationEngine:
         if missing:
             raise RuntimeError(f"the plan decodes {len(missing)} sequences with no KV cache (first: {missing[0]})")
         rows = self.runner.decode([(seq.tokens[-1], self.caches[seq]) for seq in decoding])
-        rows += self.runner.prefill([tuple(seq.request.prompt) + tuple(seq.tokens) for seq in joining])
+        joined = []
+        for edge, group in self._by_edge(joining).items():  # one prefill per edge: rows x edge, a warmed shape
+            rows += self.runner.prefill([tuple(seq.request.prompt) + tuple(seq.tokens) for seq in group], pad_to=edge)
+            joined += group
         if len(rows) != len(seqs):
             raise RuntimeError(f"the runner returned {len(rows)} results for {len(seqs)} sequences")
-        return dict(zip(decoding + joining, rows))
+        return dict(zip(decoding + joined, rows))
+
+    def _by_edge(self, joining: list[Seq]) -> dict[int, list[Seq]]:
+        """Joining sequences by the length edge their contexts pad to, shortest first (no edges: one
+        group, padded to its longest)."""
+        settings = self.policy.settings
+        groups: dict[int, list[Seq]] = {}
+        for seq in joining:
+            groups.setdefault(settings.padded(seq.context) if settings.prefill_edges else 0, []).append(seq)
+        return dict(sorted(groups.items()))
 
     def _loop(self) -> None:
         while True:

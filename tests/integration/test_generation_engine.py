@@ -17,6 +17,7 @@ from tsbatch.handlers.core.generation_policy import (GenerationSettings, Generat
                                                      Priority, Status)
 from tsbatch.handlers.models.generation_runner import GenerationRunner
 from tsbatch.handlers.runtime.generation_engine import GenerationEngine
+from tsbatch.warmup.generation_profile import prefill_edge, prefill_edges, prefill_shapes
 from tests.support import FakeClock
 
 pytestmark = pytest.mark.integration
@@ -72,7 +73,9 @@ def alone(runner: GenerationRunner, prompt, new: int) -> list[int]:
 
 
 def engine_for(runner, clock=None, **policy) -> GenerationEngine:
-    values = dict(token_budget=256, kv_bound=4096, max_running=8, queue_cap=64)
+    """An engine as the handler builds one: prefills padded to the model's length edges."""
+    values = dict(token_budget=256, kv_bound=4096, max_running=8, queue_cap=64,
+                  prefill_edges=prefill_edges(runner.max_positions))
     values.update(policy)
     return GenerationEngine(GenerationPolicy(GenerationSettings(**values)), runner, clock=clock or FakeClock())
 
@@ -131,6 +134,46 @@ def test_sequences_joining_and_leaving_at_different_steps_each_get_what_they_get
     assert any(p.decode and p.prefill for p in plans if p)
     assert len({s.ended_at for s in seqs.values()}) >= 4  # they left at different steps
     assert engine.caches == {}  # nobody's cache outlives it
+
+
+def test_prompts_of_different_edges_joining_in_one_step_prefill_once_per_edge_and_answer_as_alone(runner):
+    edges = prefill_edges(runner.max_positions)
+    lengths = [3, 8, 9, 11, 12, 13, 30, 33]  # edges 8, 8, 12, 12, 12, 16, 32, 48
+    rng = random.Random(12)
+    texts = [tuple(rng.randrange(1000, 29000) for _ in range(n)) for n in lengths]
+    reference = [alone(runner, p, 10) for p in texts]
+    calls, prefill = [], runner.prefill
+    runner.prefill = lambda contexts, pad_to=0: calls.append((len(contexts), pad_to)) or prefill(contexts, pad_to)
+    try:
+        engine = engine_for(runner, token_budget=512, max_running=8)
+        seqs = [engine.submit(ask(f"r{i}", p, 10)) for i, p in enumerate(texts)]
+        first = engine.step()
+        drive(engine, {0: []})
+    finally:
+        del runner.prefill
+    assert len(first.prefill) == 8  # all joined in one step
+    assert calls == [(2, 8), (3, 12), (1, 16), (1, 32), (1, 48)]  # one padded prefill per edge, shortest first
+    assert first.tokens == 2 * 8 + 3 * 12 + 16 + 32 + 48 == sum(prefill_edge(n, edges) for n in lengths)
+    assert [s.tokens for s in seqs] == reference
+
+
+def test_every_prefill_the_engine_runs_is_a_planned_shape(runner):
+    """Random arrivals through the real engine: each prefill call is (rows, edge) of prefill_shapes."""
+    edges = prefill_edges(runner.max_positions)
+    planned = {(s.batch, s.bucket) for s in prefill_shapes(edges, 4, 96)}
+    calls, prefill = [], runner.prefill
+    runner.prefill = lambda contexts, pad_to=0: calls.append((len(contexts), pad_to)) or prefill(contexts, pad_to)
+    rng = random.Random(13)
+    try:
+        engine = engine_for(runner, token_budget=96, max_running=4)
+        joins = {i: [ask(f"r{i}-{j}", prompts(1, seed=100 * i + j, shortest=n, longest=n)[0], rng.randint(1, 6))
+                     for j, n in enumerate(rng.choices((3, 5, 7, 10, 14, 20, 40, 70), k=rng.randint(0, 4)))]
+                 for i in range(0, 40, 3)}
+        drive(engine, joins)
+    finally:
+        del runner.prefill
+    assert len(calls) >= 15 and {rows for rows, _ in calls} != {1}
+    assert set(calls) <= planned, set(calls) - planned
 
 
 def test_preempted_sequences_are_recomputed_and_still_answer_as_alone(runner):

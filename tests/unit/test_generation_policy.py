@@ -430,3 +430,59 @@ def test_on_a_device_the_kv_bound_is_what_a_share_of_its_free_memory_holds_or_th
     assert config.settings().kv_bound == 100
     with pytest.raises(ConfigError, match="kv_memory_share must be a fraction above 0 and at most 1, got 1.5"):
         GenerationConfig.from_section({"kv_memory_share": 1.5})
+
+
+def test_prefills_cost_their_padded_edge_in_the_token_budget():
+    clock, s = Clock(), GenerationPolicy(policy(token_budget=32, prefill_edges=(8, 12, 16, 24, 32)))
+    for rid, prompt in (("a", 3), ("b", 9), ("c", 5), ("d", 2)):  # edges 8, 12, 8, 8
+        s.submit(ask(rid, prompt=prompt))
+    plan = s.schedule(clock.tick())
+    assert rids(plan.prefill) == ["a", "b", "c"] and plan.tokens == 8 + 12 + 8  # d's 8 more would pass 32
+    unpadded = GenerationPolicy(policy(token_budget=32))  # no edges: a context costs itself
+    for rid, prompt in (("a", 3), ("b", 9), ("c", 5), ("d", 2)):
+        unpadded.submit(ask(rid, prompt=prompt))
+    assert unpadded.schedule(clock.tick()).tokens == 19
+
+
+def test_past_the_last_edge_a_context_costs_itself_and_edges_must_ascend():
+    assert policy(prefill_edges=(8, 16)).padded(20) == 20 and policy(prefill_edges=(8, 16)).padded(9) == 16
+    for edges in ((16, 8), (8, 8), (0, 8)):
+        with pytest.raises(ConfigError, match="prefill_edges must ascend"):
+            policy(prefill_edges=edges)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_no_step_forms_a_prefill_warmup_did_not_plan(seed):
+    """Random arrivals, prompt lengths, priorities, lengths and out-of-memory steps: every prefill
+    of every plan, grouped by edge as the engine runs it, is a shape of prefill_shapes."""
+    import random
+
+    from tsbatch.warmup.generation_profile import prefill_edges, prefill_shapes
+
+    rng = random.Random(seed)
+    edges = prefill_edges(256)
+    budget, running = rng.choice((16, 40, 64, 128)), rng.choice((1, 3, 8)) if seed else 1
+    budget = max(budget, running)
+    planned = {(shape.batch, shape.bucket) for shape in prefill_shapes(edges, running, budget)}
+    clock = Clock()
+    s = GenerationPolicy(policy(token_budget=budget, max_running=running, kv_bound=rng.choice((600, 4000)),
+                                queue_cap=64, prefill_edges=edges))
+    formed, grouped = set(), 0
+    for step in range(300):
+        for _ in range(rng.choice((0, 0, 0, 0, 0, 1, 3))):
+            try:
+                s.submit(ask(f"r{step}-{rng.random()}", prompt=rng.randint(1, rng.choice((12, 12, 40, 200))), new=rng.randint(1, 12),
+                             at=clock.now, priority=rng.choice(list(Priority))))
+            except (Overloaded, OutOfMemory):
+                pass
+        plan = s.schedule(clock.tick())
+        groups: dict[int, int] = {}
+        for seq in plan.prefill:
+            groups[s.settings.padded(seq.context)] = groups.get(s.settings.padded(seq.context), 0) + 1
+        formed |= {(rows, edge) for edge, rows in groups.items()}
+        grouped += any(rows > 1 for rows in groups.values())
+        assert plan.tokens == len(plan.decode) + sum(rows * edge for edge, rows in groups.items())
+        oom = step < 150 and rng.random() < 0.02  # a few, early: the bound only goes down
+        s.finished(plan, StepOutcome(out_of_memory=True) if oom else ran(plan), clock.now)
+    assert formed <= planned, formed - planned
+    assert len(formed) >= 4 and (grouped if running > 1 else not grouped)  # real groups where seats allow
