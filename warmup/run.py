@@ -63,12 +63,20 @@ def run_plan(plan: WarmupPlan, run_shape: Callable[[Shape], None], profile: Late
 
 def _time_shape(plan: WarmupPlan, shape: Shape, run_shape: Callable[[Shape], None], profile: LatencyProfile,
                 clock) -> tuple[ShapeTiming, float]:
+    first_ms, timings = time_runs(lambda: run_shape(shape), plan.repeats, plan.max_repeats, clock)
+    return profile.add(shape.batch, shape.bucket, first_ms, timings), first_ms
+
+
+def time_runs(run: Callable[[], None], repeats: int, max_repeats: int,
+              clock=time.perf_counter) -> tuple[float, list[float]]:
+    """Warmup's one timing rule: `run` once untimed, then timed until the last two agree within
+    10% (at least `repeats`, at most `max_repeats`). Returns the first run's ms and the timings."""
     started = clock()
-    run_shape(shape)
+    run()
     first_ms = (clock() - started) * 1000
     timings: list[float] = []
-    while len(timings) < plan.repeats or (not stable(timings) and len(timings) < plan.max_repeats):
+    while len(timings) < repeats or (not stable(timings) and len(timings) < max_repeats):
         started = clock()
-        run_shape(shape)
+        run()
         timings.append((clock() - started) * 1000)
-    return profile.add(shape.batch, shape.bucket, first_ms, timings), first_ms
+    return first_ms, timings

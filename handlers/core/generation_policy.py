@@ -276,7 +276,7 @@ class GenerationPolicy:
         live = [seq for seq in plan.runs if seq.status is Status.RUNNING]
         if outcome.out_of_memory:
             self.out_of_memory_steps += 1
-            self.kv_bound = max(1, min(self.kv_bound, plan.kv_tokens - 1, int(plan.kv_tokens * self.settings.oom_backoff)))
+            self.kv_bound = learned_bound(self.kv_bound, plan.kv_tokens, self.settings.oom_backoff)
             for seq in plan.prefill:  # never got a cache: back to waiting, not a preemption
                 if seq.status is Status.RUNNING:
                     self.running.remove(seq)
@@ -348,6 +348,12 @@ class GenerationPolicy:
         return OutOfMemory(f"this request needs up to {seq.most} KV-cache tokens (prompt {len(seq.request.prompt)} + "
                            f"max_new_tokens {seq.request.max_new_tokens}) and this worker holds {self.kv_bound}: "
                            "ask for fewer new tokens or a shorter prompt")
+
+
+def learned_bound(kv_bound: int, kv_tokens: int, backoff: float) -> int:
+    """The KV bound after a step holding `kv_tokens` ran out of memory: below that step, by `backoff`
+    at least, and never up (warmup learns it by the same rule)."""
+    return max(1, min(kv_bound, kv_tokens - 1, int(kv_tokens * backoff)))
 
 
 def model_failed(error: BaseException) -> ModelFailed:

@@ -81,6 +81,11 @@ class GenerationConfig:
                                                "(recomputed later)", BOOL)
     deadline_ms: int = _setting(120000, "the longest a request may take in all (504 past it); X-Deadline-Ms or "
                                        "X-Deadline-At may only shorten it", POSITIVE_INT)
+    warmup: bool = _setting(True, "run every prefill shape and decode batch size the engine forms in initialize(), "
+                                  "before READY; the timings are kept as generation_profile.json", BOOL)
+    warmup_repeats: int = _setting(3, "timed passes per shape at warmup, at least", POSITIVE_INT)
+    warmup_max_repeats: int = _setting(6, "timed passes per shape at most, until two agree within 10% (at least "
+                                          "warmup_repeats)", POSITIVE_INT)
     fault_oom_substring: str | None = _setting(None, "chaos testing, off unless set: the first step that holds a "
                                                      "request whose text contains this runs out of memory (once per "
                                                      "request), as a step too big for the device would",
@@ -99,6 +104,9 @@ class GenerationConfig:
         if config.default_new_tokens > config.max_new_tokens:
             raise ConfigError(f"handler.default_new_tokens ({config.default_new_tokens}) must be at most "
                               f"max_new_tokens ({config.max_new_tokens})")
+        if config.warmup_max_repeats < config.warmup_repeats:
+            raise ConfigError(f"handler.warmup_max_repeats ({config.warmup_max_repeats}) must be at least "
+                              f"warmup_repeats ({config.warmup_repeats})")
         config.settings()  # the policy's own checks, at load
         return config
 

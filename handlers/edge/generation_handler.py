@@ -58,6 +58,7 @@ class GenerationHandler:
         self.config: GenerationConfig | None = None
         self.runner = None
         self.engine = None
+        self.profile = None  # the GenerationProfile warmup measured (None with warmup off)
         self.watch = ClientWatch(None)
 
     def initialize(self, context) -> None:
@@ -82,6 +83,13 @@ class GenerationHandler:
             free, _total = torch.cuda.mem_get_info(self.runner.device)
             device_bound = kv_bound_for(free, self.runner.kv_bytes_per_token, config.kv_memory_share)
         settings = config.settings(device_bound, prefill_edges(self.runner.max_positions))
+        if config.warmup:  # before the engine serves: every shape it forms is warm by READY
+            from tsbatch.handlers.runtime.generation_warming import warm_up_generation
+
+            self.profile, settings = warm_up_generation(
+                self.runner, settings, config.warmup_repeats, config.warmup_max_repeats, context.model_name,
+                context.system_properties.get("model_dir"), yaml_config.get("startupTimeout", 120),
+                torch.get_num_threads())
         metrics = Metrics(getattr(context, "metrics", None), context.model_name)
         metrics.generation_budget(settings.token_budget)
         self.engine = GenerationEngine(GenerationPolicy(settings), self.runner, metrics=metrics).start()

@@ -429,7 +429,8 @@ def served(runner, tmp_path):
     archive = tmp_path / "archive"
     archive.mkdir()
     os.symlink(runner.lm.name_or_path, archive / "model")
-    section = {"task": "generation", "max_new_tokens": 40, "kv_bound": 2048, "queue_cap": 16}
+    # warmup off: it has its own tests (test_generation_warmup.py) and would slow every one here
+    section = {"task": "generation", "max_new_tokens": 40, "kv_bound": 2048, "queue_cap": 16, "warmup": False}
     handler = GenerationHandler()
     handler.initialize(make_context(str(archive), section, batch_size=1))
     try:
@@ -484,7 +485,7 @@ def test_a_full_queue_is_answered_503_with_retry_after_and_the_rest_are_served(r
     archive = tmp_path / "archive"
     archive.mkdir()
     os.symlink(runner.lm.name_or_path, archive / "model")
-    section = {"task": "generation", "max_new_tokens": 40, "max_running": 1, "queue_cap": 1}
+    section = {"task": "generation", "max_new_tokens": 40, "max_running": 1, "queue_cap": 1, "warmup": False}
     handler = GenerationHandler()
     handler.initialize(make_context(str(archive), section, batch_size=1))
     frontend = AsyncFrontend(handler, make_context(str(archive), section, batch_size=1))
