@@ -16,10 +16,12 @@ import tempfile
 import time
 from typing import Any, Callable, Mapping
 
+from tsbatch.warmup.generation_profile import GenerationProfile
 from tsbatch.warmup.profile import LatencyProfile
 
 # The loggers whose records carry warmup's progress (a `tsbatch_warmup` dict attribute).
-PROGRESS_LOGGERS = ("tsbatch.warmup.run", "tsbatch.handlers.runtime.warming")
+PROGRESS_LOGGERS = ("tsbatch.warmup.run", "tsbatch.handlers.runtime.warming",
+                    "tsbatch.handlers.runtime.generation_warming")
 ERROR_CHARS = 600  # transformers' load errors can be pages long: the start says what broke
 
 
@@ -63,7 +65,8 @@ def progress_line(event: Mapping[str, Any]) -> str:
     """One line of `tsbatch profile` output for a warmup event (warmup/run.py, handlers/runtime/warming.py)."""
     kind = event.get("event")
     if kind == "shape":
-        return (f"warmup shape {event['number']} of {event['of']}: batch {event['batch']} x {event['bucket']} "
+        what = f"{event['kind']} " if "kind" in event else ""  # generation's: prefill or decode
+        return (f"warmup shape {event['number']} of {event['of']}: {what}batch {event['batch']} x {event['bucket']} "
                 f"tokens: first {event['first_ms']:.1f} ms, median {event['median_ms']:.1f} ms ({event['runs']} runs)")
     if kind == "estimate":
         return f"warmup: {event['shapes']} shapes, estimated {event['seconds']:.1f}s"
@@ -91,9 +94,11 @@ class _Forward(logging.Handler):
 
 def profile_model(model_dir: str, name: str, model_yaml_config: Mapping[str, Any],
                   progress: Callable[[str], None] = lambda _: None, handler_file: str | None = None,
-                  extra_files: Mapping[str, str] | None = None) -> LatencyProfile:
+                  extra_files: Mapping[str, str] | None = None) -> LatencyProfile | GenerationProfile:
     """Initialize the handler on `model_dir` with this model-config.yaml (its handler section must
-    have warmup on) and return the profile, its environment completed with this machine's facts."""
+    have warmup on) and return the profile, its environment completed with this machine's facts:
+    a LatencyProfile from an encoder handler, a GenerationProfile from the generation handler
+    (`task: generation` in the handler section)."""
     handler_section = model_yaml_config.get("handler") or {}
     if handler_section.get("warmup") is False:
         raise ProfileError("handler.warmup is false: the profile is what warmup measures, so it must stay on")
@@ -114,10 +119,11 @@ def profile_model(model_dir: str, name: str, model_yaml_config: Mapping[str, Any
             handler_file = os.path.join(root, os.path.basename(handler_file))
         context = make_context(root, name, model_yaml_config)
         started = time.perf_counter()
-        handler = _initialize(context, model_dir, handler_file)
+        handler = _initialize(context, model_dir, handler_file, handler_section.get("task"))
         total = time.perf_counter() - started
         profile = handler.profile
-        if profile is None or not profile.shapes:
+        warmed = profile is not None and (profile.prefill if isinstance(profile, GenerationProfile) else profile.shapes)
+        if not warmed:
             raise ProfileError(f"the handler warmed no shapes for {model_dir}: check the handler configuration")
         profile.environment.update(
             load_seconds=round(max(0.0, total - profile.warmup_seconds), 3),
@@ -138,10 +144,17 @@ def profile_model(model_dir: str, name: str, model_yaml_config: Mapping[str, Any
         shutil.rmtree(root, ignore_errors=True)
 
 
-def handler_class(handler_file: str | None):
+def handler_class(handler_file: str | None, task: str | None = None):
     """The handler TorchServe would instantiate: the one class a team's handler file defines (a
-    TsbatchHandler subclass), or tsbatch's EncoderHandler."""
+    TsbatchHandler subclass), or tsbatch's own for the task (CausalLMHandler for generation,
+    EncoderHandler for the rest)."""
     if handler_file is None:
+        from tsbatch.handlers.edge.generation_api import TASK as GENERATION
+
+        if task == GENERATION:
+            from tsbatch.handlers.models.causal_lm_handler import CausalLMHandler
+
+            return CausalLMHandler
         from tsbatch.handlers.models.encoder_handler import EncoderHandler
 
         return EncoderHandler
@@ -165,8 +178,8 @@ def handler_class(handler_file: str | None):
     return defined[0]
 
 
-def _initialize(context, model_dir: str, handler_file: str | None = None):
-    handler = handler_class(handler_file)()
+def _initialize(context, model_dir: str, handler_file: str | None = None, task: str | None = None):
+    handler = handler_class(handler_file, task)()
     try:
         handler.initialize(context)
     except Exception as error:  # noqa: BLE001 - any model file can fail to load in its own way
