@@ -106,6 +106,30 @@ def test_the_archive_is_the_generation_handler_in_async_mode(lm):
     assert "bucket tuning" in text and "latency_profile.json" not in names
 
 
+def test_the_worker_warmed_every_shape_the_engine_forms_before_it_was_ready(lm):
+    """By READY the worker's warmup has kept its profile in the extracted archive: every prefill
+    shape and decode batch size the archive's settings form, with its timing."""
+    import glob
+    import os
+
+    from tsbatch.warmup.generation_profile import (GENERATION_PROFILE_FILE, GenerationProfile, decode_shapes,
+                                                   prefill_edges, prefill_shapes)
+
+    worker_pids(lm)  # READY
+    found = glob.glob(os.path.join(lm.paths.tmpdir, "models", "*", GENERATION_PROFILE_FILE))
+    assert len(found) == 1, found
+    profile = GenerationProfile.load(found[0])
+    with zipfile.ZipFile(f"{lm.store}/{NAME}.mar") as mar:
+        section = yaml.safe_load(mar.read("model-config.yaml"))["handler"]
+    budget, running = section.get("token_budget", 512), section.get("max_running", 16)
+    assert [(t.batch, t.bucket) for t in profile.prefill] == [
+        (s.batch, s.bucket) for s in prefill_shapes(prefill_edges(512), running, budget)]
+    assert [(t.batch, t.bucket) for t in profile.decode] == [(s.batch, s.bucket) for s in decode_shapes(running, 512)]
+    assert profile.environment["out_of_memory"] == [] and all(t.runs >= 1 for t in profile.prefill + profile.decode)
+    with open(os.path.join(lm.paths.logs, "model_log.log")) as f:
+        assert "tsbatch warmup done in" in f.read()
+
+
 def test_concurrent_asks_each_get_their_greedy_answer_alone(lm):
     alone = [post(url(lm), *ask(t, n)) for t, n in zip(TEXTS, NEW)]
     assert [a.status for a in alone] == [200] * len(TEXTS), [a.body for a in alone]
