@@ -1,6 +1,10 @@
 """tsbatch's built-in TorchServe handler for text generation (`task: generation`): any local
 causal-LM directory with safetensors weights, scheduled token by token.
 
+Before the worker is READY, initialize() warms every prefill shape and decode batch size the
+engine can form (handlers/runtime/generation_warming.py) and keeps the timings as `profile`
+(generation_profile.json in the model directory), unless `handler.warmup` is false.
+
 It runs in TorchServe's async mode (`asyncCommunication: true`): each request is a coroutine that
 submits to the worker's one GenerationEngine (handlers/runtime/generation_engine.py) and awaits its
 tokens; a streamed request gets one line per token. The request and answer shapes and the settings
@@ -98,8 +102,9 @@ class GenerationHandler:
             logger.warning("fault injection is ON: a request whose text contains %r runs out of memory once",
                            config.fault_oom_substring)
         logger.info("tsbatch generation loaded %s on %s: token_budget=%d kv_bound=%d (%d bytes a token) "
-                    "max_running=%d in %.1fs", type(self.runner.lm).__name__, device, settings.token_budget,
-                    settings.kv_bound, self.runner.kv_bytes_per_token, settings.max_running, time.monotonic() - started)
+                    "max_running=%d in %.1fs (warmup %s)", type(self.runner.lm).__name__, device, settings.token_budget,
+                    settings.kv_bound, self.runner.kv_bytes_per_token, settings.max_running, time.monotonic() - started,
+                    f"{self.profile.warmup_seconds:.1f}s" if self.profile else "off")
         self.initialized = True
 
     async def handle(self, data: list, context) -> list:
