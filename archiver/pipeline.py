@@ -23,12 +23,14 @@ from tsbatch.archiver.properties import (
     render_yaml,
 )
 from tsbatch.archiver.tune import Machine, TuneError, Tuning, frontend_keys, plan_workers, tune
-from tsbatch.archiver.tune_generation import MODE, plan_generation
+from tsbatch.archiver.tune_generation import (BUCKET_TUNING, DEFAULT_TPOT_MS, DEFAULT_TTFT_MS, MODE,
+                                              GenerationTuning, plan_generation, threads_per_worker)
 from tsbatch.archiver.simulate import Overheads
 from tsbatch.archiver.tune_sim import search
 from tsbatch.handlers.core.errors import ConfigError
 from tsbatch.handlers.edge.config import FrontendConfig, HandlerConfig, check_handler
 from tsbatch.handlers.edge.generation_api import TASK as GENERATION
+from tsbatch.warmup.generation_profile import GENERATION_PROFILE_FILE, GenerationProfile
 from tsbatch.warmup.profile import PROFILE_FILE, LatencyProfile
 
 Progress = Callable[[str], None]
@@ -52,6 +54,8 @@ class Request:
     model_section: Mapping[str, Any] = field(default_factory=dict)  # model-config.yaml's model:, for that handler's model
     workload: str | None = None  # what tune simulates candidates on (archiver/tune_sim.py); None: analytic only
     overheads: str | None = None  # a bench/overheads.py report of the serving machine; None: the simulator's defaults
+    ttft_ms: float = DEFAULT_TTFT_MS  # --task generation: the time-to-first-token target token_budget is tuned for
+    tpot_ms: float = DEFAULT_TPOT_MS  # and the time-per-output-token target max_running is tuned for
 
     def shipped(self) -> dict[str, str]:
         """Archive-root name -> local path of the team's extra files."""
@@ -101,10 +105,32 @@ def config_sections(task: str | None, device: str | None = None,
 
 
 def load_profile(path: str) -> LatencyProfile:
+    if is_generation_profile(path):
+        raise TuneError(f"{path} is a generation profile: tune it with --task generation (or leave --task out)")
     try:
         return LatencyProfile.load(path)
     except (ValueError, TypeError, KeyError, AttributeError) as error:
         raise TuneError(f"{path} is not a latency profile written by `tsbatch profile`: {error}") from None
+
+
+def load_generation_profile(path: str) -> GenerationProfile:
+    try:
+        return GenerationProfile.load(path)
+    except (ValueError, TypeError, KeyError, AttributeError) as error:
+        raise TuneError(f"{path} is not a generation profile written by `tsbatch profile --task generation`: "
+                        f"{error}") from None
+
+
+def is_generation_profile(path: str) -> bool:
+    """The file is a generation profile (its "kind"), so `tsbatch tune --profile` needs no --task."""
+    import json
+
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except ValueError:
+        return False
+    return isinstance(data, dict) and data.get("kind") == GENERATION
 
 
 def this_machine() -> Machine:
@@ -116,9 +142,11 @@ def this_machine() -> Machine:
 def profile_here(model_dir: str, name: str, section: Mapping[str, Any], mode: str = "continuous",
                  progress: Progress = lambda _: None, handler_file: str | None = None,
                  extra_files: Mapping[str, str] | None = None,
-                 model_section: Mapping[str, Any] | None = None) -> LatencyProfile:
-    """Load and warm the handler in this process with the threads tune will give each worker here."""
-    check_model_dir(model_dir, hugging_face=handler_file is None)  # missing files fail here, before torch loads
+                 model_section: Mapping[str, Any] | None = None) -> LatencyProfile | GenerationProfile:
+    """Load and warm the handler in this process with the threads tune will give each worker here:
+    a LatencyProfile, or a GenerationProfile for `task: generation` (in async mode, its only one)."""
+    generation = section.get("task") == GENERATION
+    check_model_dir(model_dir, hugging_face=handler_file is None, causal_lm=generation)  # before torch loads
     from tsbatch.archiver.measure import profile_model
 
     machine = this_machine()
@@ -126,8 +154,11 @@ def profile_here(model_dir: str, name: str, section: Mapping[str, Any], mode: st
     use_gpu = str(device).startswith("cuda") or (device == "auto" and machine.gpus > 0)
     handler = dict(section)
     handler["warmup"] = handler.get("warmup", True)
+    if generation:
+        mode = MODE
     if "torch_threads" not in handler:
-        handler["torch_threads"] = plan_workers(machine, use_gpu)[1].value
+        handler["torch_threads"] = (threads_per_worker(machine, use_gpu) if generation
+                                    else plan_workers(machine, use_gpu)[1].value)
     progress(f"profiling {model_dir} on {machine.cores} cores, {machine.gpus} GPU(s), "
              f"{handler['torch_threads']} torch threads per worker")
     yaml_config = {"handler": handler, "startupTimeout": PROFILE_STARTUP_TIMEOUT,  # the mode decides the lanes' threads
@@ -227,47 +258,72 @@ def is_generation(request: Request) -> bool:
 
 def refuse_generation(request: Request, what: str) -> None:
     if is_generation(request):
-        raise TuneError(f"{what} does not serve --task generation yet: no generation profile exists (tsbatch profile "
-                        "times the encoder's batch x length buckets, not prefill and decode steps); build it with "
-                        "tsbatch archive --task generation")
+        raise TuneError(f"{what} does not serve --task generation yet: its KServe layout serves the encoder's v1 and "
+                        "v2 requests in continuous mode, and the generation handler serves its own in async mode "
+                        "only; build it with tsbatch archive --task generation")
 
 
-def generation_plan(request: Request) -> Tuning:
-    """The generation archive's settings for the target machine (flags first, else this one)."""
+def generation_plan(request: Request, profile: GenerationProfile | None = None) -> tuple[GenerationTuning, str]:
+    """The generation archive's settings for the target machine (flags first, then the profile's,
+    else this one), tuned from the profile when there is one; and where the machine came from."""
     config = check_handler(request.section)
-    cores, gpus = request.cores, request.gpus
-    if cores is None or gpus is None:
-        from tsbatch.archiver.measure import available_cores, gpu_count
+    if profile is not None:
+        machine, source = machine_for(profile, request.cores, request.gpus)
+    else:
+        cores, gpus, source = request.cores, request.gpus, "from the command line"
+        if cores is None or gpus is None:
+            from tsbatch.archiver.measure import available_cores, gpu_count
 
-        cores = available_cores() if cores is None else cores
-        gpus = (gpu_count() if config.device == "auto" else 0) if gpus is None else gpus
-    return plan_generation(Machine(cores, gpus), config, fixed=set(request.section) - {"task"},
-                           target_ms=request.target_ms)
+            cores = available_cores() if cores is None else cores
+            gpus = (gpu_count() if config.device == "auto" else 0) if gpus is None else gpus
+            source = "this machine's" if request.cores is None else source
+        machine = Machine(cores, gpus)
+    tuning = plan_generation(machine, config, fixed=set(request.section) - {"task"}, ttft_ms=request.ttft_ms,
+                             tpot_ms=request.tpot_ms, profile=profile)
+    return tuning, source
 
 
-def generation_header(tuning: Tuning) -> str:
-    return (f"model-config.yaml written by tsbatch for the built-in generation handler (task generation) on "
-            f"{tuning.machine.cores} cores and {tuning.machine.gpus} GPU(s), served in TorchServe's async mode.\n"
-            f"Its values are {tuning.skipped}. Each value has its reason on the line above it.")
+def generation_header(tuning: GenerationTuning, profile: GenerationProfile | None = None, source: str = "",
+                      kept: str = f"shipped as {GENERATION_PROFILE_FILE} in this archive") -> str:
+    """model-config.yaml's header for the generation handler: what it was tuned from, or that it was not."""
+    where = (f"model-config.yaml written by tsbatch for the built-in generation handler (task generation) on "
+             f"{tuning.machine.cores} cores and {tuning.machine.gpus} GPU(s)" + (f" ({source})" if source else "")
+             + ", served in TorchServe's async mode.\n")
+    if profile is None:
+        return where + f"Its values are {tuning.skipped}. Each value has its reason on the line above it."
+    env = profile.environment
+    return (where + f"token_budget and max_running tuned for a time to first token of {tuning.ttft_ms:g} ms and a time "
+            f"per output token of {tuning.tpot_ms:g} ms from the generation profile of {profile.model!r} "
+            f"({env.get('device', '?')}, {env.get('torch_threads', '?')} torch threads, {len(profile.prefill)} prefill "
+            f"shapes, {len(profile.decode)} decode batch sizes), {kept}; "
+            f"{BUCKET_TUNING}. Each value has its reason on the line above it.")
 
 
 def _archive_generation(request: Request, out: str, settings: Mapping[str, Any], profile_path: str | None,
-                        progress: Progress) -> Built:
-    """A generation archive: the same build as the encoder's, its settings from tune_generation."""
-    if profile_path:
-        raise TuneError("--profile: no generation profile exists yet (tsbatch profile times the encoder's buckets); "
-                        "build --task generation without it")
+                        no_tune: bool, progress: Progress) -> Built:
+    """A generation archive: the same build as the encoder's, its settings from tune_generation,
+    tuned from a generation profile (measured here, or --profile) unless no_tune."""
     if request.handler_file:
         raise ArchiveError("--task generation is the built-in generation handler: leave out --handler, or leave out "
                            "--task to serve your own handler")
     if request.mode != MODE:
         raise TuneError(f"--mode {request.mode}: the generation handler serves in async mode only (leave --mode out)")
     check_model_dir(request.model_dir, causal_lm=True)  # before anything is staged
-    tuning = generation_plan(request)
-    config, text = tuned_config(request, tuning, generation_header(tuning))
-    mar = build_archive(_spec(request, config, out, text), progress)
+    profile = None
+    if profile_path:
+        profile = load_generation_profile(profile_path)
+    elif not no_tune:
+        profile = profile_here(request.model_dir, request.name, request.section, MODE, progress)
+    tuning, source = generation_plan(request, profile)
+    config, text = tuned_config(request, tuning, generation_header(tuning, profile, source))
+    kept = None
+    if profile is not None:
+        kept = os.path.join(out, f"{request.name}.{GENERATION_PROFILE_FILE}")
+        os.makedirs(out, exist_ok=True)
+        profile.save(kept)
+    mar = build_archive(_spec(request, config, out, text, kept, GENERATION_PROFILE_FILE), progress)
     properties = _write_properties(out, request, settings, tuning.property_entries())
-    return Built(properties, config, mar, tuning=tuning)
+    return Built(properties, config, mar, tuning=tuning, profile_path=kept)
 
 
 def _write_properties(out: str, request: Request, settings: Mapping[str, Any], tuned=()) -> str:
@@ -281,10 +337,9 @@ def _write_properties(out: str, request: Request, settings: Mapping[str, Any], t
 def archive(request: Request, out: str, settings: Mapping[str, Any], profile_path: str | None = None,
             no_tune: bool = False, progress: Progress = lambda _: None) -> Built:
     """model_store/NAME.mar and model_store/config.properties, tuned unless no_tune. A generation
-    model (`--task generation`) is never profiled: its settings come from tune_generation, whose
-    reasons say what of the encoder's tuning does not apply, with or without no_tune."""
+    model (`--task generation`) is tuned by tune_generation from a generation profile."""
     if is_generation(request):
-        return _archive_generation(request, out, settings, profile_path, progress)
+        return _archive_generation(request, out, settings, profile_path, no_tune, progress)
     if no_tune:
         queue_cap = HandlerConfig.from_yaml(request.section).queue_cap
         config = model_config(request.section, {**frontend_keys(request.mode, queue_cap), **request.overrides},
@@ -334,19 +389,23 @@ def export_kserve(request: Request, out: str, storage_uri: str | None = None, pr
     return Built(written.properties, config, mar, tuning=tuning, profile_path=profile_file, manifest=written.manifest)
 
 
-def _spec(request: Request, config: dict, store: str, text: str = "", profile_file: str | None = None) -> ArchiveSpec:
+def _spec(request: Request, config: dict, store: str, text: str = "", profile_file: str | None = None,
+          profile_name: str = PROFILE_FILE) -> ArchiveSpec:
     """What build_archive packs, the same for archive and export: the request's handler (a team's
-    own, or the built-in encoder) with its extra files, the profile when there is one, and
-    model-config.yaml once FrontendConfig has checked it."""
+    own, or the built-in encoder) with its extra files, the profile when there is one (as
+    `profile_name`), and model-config.yaml once FrontendConfig has checked it."""
     FrontendConfig.from_yaml(config)
-    extra = {**request.shipped(), **({PROFILE_FILE: profile_file} if profile_file else {})}
+    extra = {**request.shipped(), **({profile_name: profile_file} if profile_file else {})}
     return ArchiveSpec(request.model_dir, request.name, config, store, extra_files=extra, config_text=text,
                        handler=request.handler_file or entry_for(request.section.get("task")))
 
 
-def profile_to(request: Request, path: str, progress: Progress = lambda _: None) -> LatencyProfile:
-    """`tsbatch profile`: take the profile here and write it to path."""
-    refuse_generation(request, "tsbatch profile")
+def profile_to(request: Request, path: str,
+               progress: Progress = lambda _: None) -> LatencyProfile | GenerationProfile:
+    """`tsbatch profile`: take the profile here (a generation profile for --task generation) and
+    write it to path."""
+    if is_generation(request) and request.mode != MODE:
+        raise TuneError(f"--mode {request.mode}: the generation handler serves in async mode only (leave --mode out)")
     profile = profile_here(request.model_dir, request.name, request.section, request.mode, progress,
                            request.handler_file, request.shipped(), request.model_section)
     directory = os.path.dirname(os.path.abspath(path))
@@ -357,10 +416,15 @@ def profile_to(request: Request, path: str, progress: Progress = lambda _: None)
 
 def tune_to(request: Request, profile_path: str, out: str, settings: Mapping[str, Any]) -> Built:
     """`tsbatch tune`: write OUT/model-config.yaml and OUT/config.properties from a profile."""
-    refuse_generation(request, "tsbatch tune")
-    profile = load_profile(profile_path)
-    tuning, source = tune_for(request, profile)
-    config, text = tuned_config(request, tuning, profile_header(request, tuning, profile, source))
+    if is_generation(request):
+        profile = load_generation_profile(profile_path)
+        tuning, source = generation_plan(request, profile)
+        header = generation_header(tuning, profile, source, kept=f"read from {profile_path}")
+        config, text = tuned_config(request, tuning, header)
+    else:
+        profile = load_profile(profile_path)
+        tuning, source = tune_for(request, profile)
+        config, text = tuned_config(request, tuning, profile_header(request, tuning, profile, source))
     os.makedirs(out, exist_ok=True)
     config_path = os.path.join(out, "model-config.yaml")
     _write(config_path, text)
