@@ -102,7 +102,8 @@ def render() -> str:
         "`tsbatch archive --task generation` builds an archive of the built-in generation handler, which reads these "
         "keys instead of the ones above (an unknown key fails the load, naming the nearest known one) and serves "
         "only in async mode (`asyncCommunication: true`). The archiver writes every key with its value and reason; "
-        "none is tuned from a profile yet.",
+        "`token_budget` and `max_running` are tuned from a generation profile for `--ttft-ms` and `--tpot-ms` "
+        "([tuning generation](operations.md#tuning-generation)), the rest are these defaults unless set.",
         "",
         *_table(GenerationConfig),
         "",
