@@ -290,20 +290,25 @@ class Policy:
 
     def expire(self, now: float) -> list[Ticket]:
         """Remove and return every ticket that cannot finish by its deadline: now plus a slow pass
-        of its bucket at cap (the cost model's p90; 0 when unknown: only deadlines already past)."""
+        of the size its bucket's queue would form now (the cost model's p90; 0 when unknown: only
+        deadlines already past)."""
         expired = []
         for bucket, queue in self.queues.items():
             if not any(t.deadline is not None for t in queue):
                 continue
-            finish = now + self._lead(bucket)
+            finish = now + self._lead(bucket, len(queue))
             keep = []
             for ticket in queue:
                 (expired if ticket.deadline is not None and finish >= ticket.deadline else keep).append(ticket)
             self.queues[bucket] = keep
         return expired
 
-    def _lead(self, bucket: Bucket) -> float:
-        return self.cost.p90(bucket=bucket, size=self.cap_for(bucket))
+    def _lead(self, bucket: Bucket, queued: int | None = None) -> float:
+        """A slow pass of `bucket`: of `queued` requests (at most its cap), or at its cap. Charging the
+        cap to a queue that would form a smaller pass expired a lone long request under a deadline
+        shorter than a full pass, though it would have run alone in time."""
+        cap = self.cap_for(bucket)
+        return self.cost.p90(bucket=bucket, size=cap if queued is None else max(1, min(queued, cap)))
 
     def pick(self, now: float, buckets: Iterable[Bucket] | None = None, merge: bool = True,
              helping: bool = True) -> tuple[Batch, list[Ticket]] | None:
@@ -345,7 +350,7 @@ class Policy:
             if bucket in allowed:
                 due = self.release(bucket) if all(t.may_wait for t in queue) else now
                 waits.append(due - now)
-            ahead = self._lead(bucket)
+            ahead = self._lead(bucket, len(queue))
             waits.extend(t.deadline - ahead - now for t in queue if t.deadline is not None)
         return max(0.0, min(waits)) if waits else None
 

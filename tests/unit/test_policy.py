@@ -381,6 +381,20 @@ def test_expire_with_a_lead_removes_tickets_that_could_not_finish_in_time():
     assert sorted(ids(all_queued(s))) == sorted(ids([fine_short, fine_long]))
 
 
+def test_expire_charges_the_pass_the_queue_would_form_not_the_cap():
+    """A lone long request under a deadline shorter than a full pass at cap runs alone in time: it
+    must not be expired (it was, when the lead was always the p90 at cap: 16 x 256 tokens)."""
+    p90 = lambda *, bucket, size: 0.1 * size  # noqa: E731 - a pass of n requests takes 0.1 s each
+    s = make_scheduler(policy(max_wait=5.0), cap_for=lambda bucket: 16, cost=CostModel(p90=p90))
+    alone = ticket(256, deadline=1.0)
+    s.submit_all([alone])
+    assert s.expire(0.0) == []  # one request: 0.1 s, well within 1.0
+    assert s.time_until_ready(0.0) == pytest.approx(0.9)  # a lane wakes when it must expire it, not before
+    crowd = [ticket(256, deadline=1.0) for _ in range(11)]  # 12 queued: a pass of 12 takes 1.2 s
+    s.submit_all(crowd)
+    assert sorted(ids(s.expire(0.0))) == sorted(ids([alone, *crowd]))
+
+
 def test_time_until_ready_wakes_a_lane_when_a_ticket_must_expire_not_at_its_deadline():
     s = make_scheduler(policy(max_wait=5.0))
     s.submit_all([ticket(64, arrived=0.0, deadline=1.0)])
