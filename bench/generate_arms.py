@@ -34,7 +34,7 @@ model:
   max_new_tokens: 256
 """
 LABELS = {
-    "tsbatch": "tsbatch generation engine (`tsbatch archive --task generation`, defaults)",
+    "tsbatch": "tsbatch generation engine (`tsbatch archive --task generation --no-tune`: the engine's default budgets, as bench/results/generate.md measured them)",
     "fifo": "(a) TorchServe batching, batchSize 8, maxBatchDelay 20 ms, one generate() per batch",
     "bucketed": "(b) examples/generate, buckets of (prompt, new tokens) up to 400 x 256, batch cap 8, --no-tune, no warmup",
     "continuous": "(c) TorchServe continuous batching (documented pattern), batchSize 16, maxBatchDelay 5 ms",
@@ -100,7 +100,7 @@ def build(root: str, model_dir: str) -> dict:
     with open(handler_config, "w") as f:
         f.write(BUCKETED_CONFIG)
     built = {
-        "tsbatch": _cli_archive(root, "tsbatch", model_dir, ["--task", "generation"]),
+        "tsbatch": _cli_archive(root, "tsbatch", model_dir, ["--task", "generation", "--no-tune"]),
         "bucketed": _cli_archive(root, "bucketed", model_dir, [
             "--handler", os.path.join(EXAMPLE, "gen_handler.py"), "--extra-files", os.path.join(EXAMPLE, "gen_model.py"),
             "--handler-config", handler_config, "--no-tune"]),
