@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tsbatch.warmup.plan import Shape
-from tsbatch.warmup.profile import ShapeTiming, percentile
+from tsbatch.warmup.profile import ShapeTiming, find_timing
 
 GENERATION_PROFILE_FILE = "generation_profile.json"
 FIRST_EDGE = 8  # the shortest prefill edge: shorter contexts pad to it
@@ -73,17 +72,15 @@ class GenerationProfile:
 
     def add(self, kind: str, shape: Shape, first_ms: float, timings_ms: list[float]) -> ShapeTiming:
         """Record one warmed shape; `kind` is "prefill" or "decode"."""
-        timing = ShapeTiming(shape.batch, shape.bucket, round(statistics.median(timings_ms), 3),
-                             round(percentile(timings_ms, 90), 3), len(timings_ms), round(first_ms, 3),
-                             round(first_ms + sum(timings_ms), 3))
+        timing = ShapeTiming.measured(shape.batch, shape.bucket, first_ms, timings_ms)
         getattr(self, kind).append(timing)
         return timing
 
     def prefill_timing(self, *, rows: int, edge: int) -> ShapeTiming | None:
-        return _find(self.prefill, rows, edge)
+        return find_timing(self.prefill, batch=rows, bucket=edge)
 
     def decode_timing(self, *, rows: int, context: int) -> ShapeTiming | None:
-        return _find(self.decode, rows, context)
+        return find_timing(self.decode, batch=rows, bucket=context)
 
     def to_json(self) -> str:
         return json.dumps({"kind": "generation", **asdict(self)}, indent=1)
@@ -107,7 +104,3 @@ class GenerationProfile:
         with open(tmp, "w") as f:
             f.write(self.to_json())
         os.replace(tmp, path)
-
-
-def _find(timings: list[ShapeTiming], batch: int, bucket: int) -> ShapeTiming | None:
-    return next((t for t in timings if t.batch == batch and t.bucket == bucket), None)

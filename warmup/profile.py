@@ -36,6 +36,18 @@ class ShapeTiming:
     first_ms: float  # the untimed first pass: what a cold request would have paid
     total_ms: float = 0.0  # everything warmup spent on this shape
 
+    @classmethod
+    def measured(cls, batch: int, bucket: Bucket, first_ms: float, timings_ms: list[float]) -> "ShapeTiming":
+        """One warmed shape's record from its untimed first pass and its timed ones (ms): the one
+        place the encoder's and generation's profiles round and summarise timings."""
+        return cls(batch, bucket, round(statistics.median(timings_ms), 3), round(percentile(timings_ms, 90), 3),
+                   len(timings_ms), round(first_ms, 3), round(first_ms + sum(timings_ms), 3))
+
+
+def find_timing(timings: Sequence[ShapeTiming], *, batch: int, bucket: Bucket) -> ShapeTiming | None:
+    """The timing of one shape among `timings` (None: not measured); keywords only, so the pair cannot be swapped."""
+    return next((t for t in timings if t.batch == batch and t.bucket == bucket), None)
+
 
 @dataclass
 class LatencyProfile:
@@ -47,18 +59,13 @@ class LatencyProfile:
     oom_caps: dict[Bucket, int] = field(default_factory=dict)
 
     def add(self, batch: int, bucket: Bucket, first_ms: float, timings_ms: list[float]) -> ShapeTiming:
-        timing = ShapeTiming(batch, bucket, round(statistics.median(timings_ms), 3),
-                             round(percentile(timings_ms, 90), 3), len(timings_ms), round(first_ms, 3),
-                             round(first_ms + sum(timings_ms), 3))
+        timing = ShapeTiming.measured(batch, bucket, first_ms, timings_ms)
         self.shapes.append(timing)
         return timing
 
     def lookup(self, *, batch: int, bucket: Bucket) -> ShapeTiming | None:
         """The timing of one shape (None: not measured); keywords only, so the pair cannot be swapped."""
-        for timing in self.shapes:
-            if timing.batch == batch and timing.bucket == bucket:
-                return timing
-        return None
+        return find_timing(self.shapes, batch=batch, bucket=bucket)
 
     def to_json(self) -> str:
         data = asdict(self)
