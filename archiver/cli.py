@@ -13,7 +13,8 @@ from tsbatch.archiver.measure import ProfileError
 from tsbatch.archiver.package import ArchiveError
 from tsbatch.archiver.tune import DEFAULT_TARGET_MS, TuneError
 from tsbatch.archiver.tune_generation import DEFAULT_TPOT_MS, DEFAULT_TTFT_MS, MODE as GENERATION_MODE
-from tsbatch.archiver.tune_sim import DEFAULT_WORKLOAD, profile_threads
+from tsbatch.archiver.tune_sim import DEFAULT_WORKLOAD
+from tsbatch.handlers.core.cost import profile_threads
 from tsbatch.handlers.core.buckets import bucket_label
 from tsbatch.handlers.core.errors import ConfigError
 from tsbatch.handlers.edge.config import HandlerConfig, Task

@@ -173,8 +173,14 @@ class PassTimes:
     def __init__(self, profiles: dict[int, object], seed: int = 0):
         if not profiles:
             raise ValueError("the simulator needs a latency profile")
-        self.tables = {t: _table(p) for t, p in profiles.items()}
+        self.tables: dict[int, dict] = {}
+        for t, p in profiles.items():  # a profile's own shapes, and any it timed on other threads (borrow_cores)
+            self.tables[t] = _table(p.own_shapes())
+            for wide in {s.threads for s in p.shapes if s.threads} - set(profiles):
+                self.tables[wide] = _table([s for s in p.shapes if s.threads == wide])
         self.cost = {t: CostModel.from_profile(p) for t, p in profiles.items()}
+        for t, model in self.cost.items():  # each arm's policy knows every thread count measured
+            model.wider = {**{u: m for u, m in self.cost.items() if u != t}, **model.wider}
         self.rng = random.Random(seed)
 
     def cost_for(self, threads: int) -> CostModel:
@@ -193,10 +199,10 @@ class PassTimes:
         return median * math.exp(sigma * self.rng.gauss(0.0, 1.0)) if sigma else median
 
 
-def _table(profile) -> dict[int, dict[int, tuple[float, float]]]:
-    """bucket edge -> {batch size: (median s, p90 s)}, single-size buckets only."""
+def _table(shapes) -> dict[int, dict[int, tuple[float, float]]]:
+    """bucket edge -> {batch size: (median s, p90 s)} of timings on one thread count, single-size buckets only."""
     table: dict[int, dict[int, tuple[float, float]]] = {}
-    for shape in profile.shapes:
+    for shape in shapes:
         if isinstance(shape.bucket, int):
             table.setdefault(shape.bucket, {}).setdefault(shape.batch, (shape.median_ms / 1000, shape.p90_ms / 1000))
     if not table:

@@ -339,7 +339,7 @@ def _refuse(profile: LatencyProfile, target_ms: float, config: HandlerConfig, fi
 def _plan_buckets(profile: LatencyProfile, edges, lanes, config: HandlerConfig, target_ms: float,
                   wait_ms: float, budget: float) -> tuple[BucketPlan, ...]:
     """Each bucket's cap: the measured batch with the most requests/s whose p90 fits `budget`."""
-    smooth = monotone(profile.shapes)
+    smooth = monotone(profile.own_shapes())
     # out of memory while profiling: a bucket not even one request fit in gets no cap (its requests get 507)
     unfit = tuple(b for b in edges if profile.oom_caps.get(b) == 0)
     fit = tuple(b for b in edges if b not in unfit)

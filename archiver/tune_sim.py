@@ -20,6 +20,7 @@ from typing import Any, Mapping
 from tsbatch.archiver.simulate import Arm, Overheads, at_rate, capacity, workload_tokens
 from tsbatch.archiver.tune import Choice, TuneError, Tuning
 from tsbatch.handlers.core.buckets import longest
+from tsbatch.handlers.core.cost import profile_threads
 from tsbatch.handlers.core.policy import lane_threads
 from tsbatch.handlers.edge.config import HandlerConfig
 
@@ -97,17 +98,6 @@ def search(tuning: Tuning, profile, section: Mapping[str, Any], workload: str = 
     kept = tuning.buckets if "batch_caps" in best.handler else ()
     return replace(tuning, handler=handler, frontend=frontend, properties=properties, buckets=kept,
                    simulated=report, workload=workload, chosen=best.name, reference_rate=round(at, 1))
-
-
-def profile_threads(profile) -> int:
-    """The intra-op threads the profile's passes ran with (its lanes' threads)."""
-    per_bucket = profile.environment.get("threads_per_bucket")
-    if isinstance(per_bucket, dict) and per_bucket:
-        return max(1, min(int(v) for v in per_bucket.values()))
-    if isinstance(per_bucket, int):
-        return max(1, per_bucket)
-    threads = profile.environment.get("torch_threads")
-    return threads if isinstance(threads, int) and threads > 0 else 1
 
 
 def _candidates(tuning: Tuning, section: Mapping[str, Any], cores: int, profile) -> list[Candidate]:

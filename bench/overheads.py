@@ -32,7 +32,7 @@ from bench.loadtest.workload import WORKLOADS, token_counter, workload  # noqa: 
 from bench.run import build_arms, labels  # noqa: E402
 from tsbatch.archiver import pipeline  # noqa: E402
 from tsbatch.archiver.simulate import Arm, Overheads, at_rate, workload_tokens  # noqa: E402
-from tsbatch.archiver.tune_sim import profile_threads  # noqa: E402
+from tsbatch.handlers.core.cost import profile_threads  # noqa: E402
 from tsbatch.handlers.edge.config import HandlerConfig  # noqa: E402
 
 def cpu_now(frontend: int, workers: list[int]) -> dict[str, float]:

@@ -24,7 +24,8 @@ sys.path.insert(0, REPO)
 
 from tsbatch.archiver import pipeline  # noqa: E402
 from tsbatch.archiver.simulate import Arm, at_rate, capacity, workload_tokens  # noqa: E402
-from tsbatch.archiver.tune_sim import DEFAULT_WORKLOAD, profile_threads  # noqa: E402
+from tsbatch.archiver.tune_sim import DEFAULT_WORKLOAD  # noqa: E402
+from tsbatch.handlers.core.cost import profile_threads  # noqa: E402
 from tsbatch.handlers.edge.config import HandlerConfig  # noqa: E402
 from bench.loadtest import report as reports  # noqa: E402
 

@@ -35,18 +35,22 @@ class ShapeTiming:
     runs: int
     first_ms: float  # the untimed first pass: what a cold request would have paid
     total_ms: float = 0.0  # everything warmup spent on this shape
+    threads: int | None = None  # intra-op threads it ran on, where not the profile's own (a pass on idle lanes' cores too)
 
     @classmethod
-    def measured(cls, batch: int, bucket: Bucket, first_ms: float, timings_ms: list[float]) -> "ShapeTiming":
+    def measured(cls, batch: int, bucket: Bucket, first_ms: float, timings_ms: list[float],
+                 threads: int | None = None) -> "ShapeTiming":
         """One warmed shape's record from its untimed first pass and its timed ones (ms): the one
         place the encoder's and generation's profiles round and summarise timings."""
         return cls(batch, bucket, round(statistics.median(timings_ms), 3), round(percentile(timings_ms, 90), 3),
-                   len(timings_ms), round(first_ms, 3), round(first_ms + sum(timings_ms), 3))
+                   len(timings_ms), round(first_ms, 3), round(first_ms + sum(timings_ms), 3), threads)
 
 
-def find_timing(timings: Sequence[ShapeTiming], *, batch: int, bucket: Bucket) -> ShapeTiming | None:
-    """The timing of one shape among `timings` (None: not measured); keywords only, so the pair cannot be swapped."""
-    return next((t for t in timings if t.batch == batch and t.bucket == bucket), None)
+def find_timing(timings: Sequence[ShapeTiming], *, batch: int, bucket: Bucket,
+                threads: int | None = None) -> ShapeTiming | None:
+    """The timing of one shape among `timings` (None: not measured); keywords only, so the pair cannot be swapped.
+    `threads`: one timed on that many threads (None: on the profile's own)."""
+    return next((t for t in timings if t.batch == batch and t.bucket == bucket and t.threads == threads), None)
 
 
 @dataclass
@@ -58,17 +62,25 @@ class LatencyProfile:
     # bucket -> largest batch that fit when warmup ran out of memory there (0: not even one request)
     oom_caps: dict[Bucket, int] = field(default_factory=dict)
 
-    def add(self, batch: int, bucket: Bucket, first_ms: float, timings_ms: list[float]) -> ShapeTiming:
-        timing = ShapeTiming.measured(batch, bucket, first_ms, timings_ms)
+    def add(self, batch: int, bucket: Bucket, first_ms: float, timings_ms: list[float],
+            threads: int | None = None) -> ShapeTiming:
+        timing = ShapeTiming.measured(batch, bucket, first_ms, timings_ms, threads)
         self.shapes.append(timing)
         return timing
 
-    def lookup(self, *, batch: int, bucket: Bucket) -> ShapeTiming | None:
+    def lookup(self, *, batch: int, bucket: Bucket, threads: int | None = None) -> ShapeTiming | None:
         """The timing of one shape (None: not measured); keywords only, so the pair cannot be swapped."""
-        return find_timing(self.shapes, batch=batch, bucket=bucket)
+        return find_timing(self.shapes, batch=batch, bucket=bucket, threads=threads)
+
+    def own_shapes(self) -> list[ShapeTiming]:
+        """The timings on the profile's own threads (what the tuner sizes caps from)."""
+        return [t for t in self.shapes if t.threads is None]
 
     def to_json(self) -> str:
         data = asdict(self)
+        for shape in data["shapes"]:  # a profile without wider timings reads as it always did
+            if shape["threads"] is None:
+                del shape["threads"]
         data["oom_caps"] = {bucket_label(bucket): cap for bucket, cap in self.oom_caps.items()}
         return json.dumps(data, indent=1)
 

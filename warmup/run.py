@@ -30,18 +30,20 @@ def estimate(plan: WarmupPlan, run_shape: Callable[[Shape], None], clock=time.pe
 def run_plan(plan: WarmupPlan, run_shape: Callable[[Shape], None], profile: LatencyProfile,
              clock=time.perf_counter, is_oom: Callable[[BaseException], bool] = lambda error: False,
              describe: Callable[[BaseException], str] = repr,
-             on_oom: Callable[[Shape, BaseException], None] = lambda shape, error: None) -> LatencyProfile:
+             on_oom: Callable[[Shape, BaseException], None] = lambda shape, error: None,
+             threads: int | None = None) -> LatencyProfile:
     """Warm and time every shape. A shape that runs out of memory (`is_oom`) caps its bucket at
     the largest batch that fit (profile.oom_caps; 0 when not even one request did), the bucket's
     larger shapes are skipped, `on_oom` frees what it can, and warmup goes on: out of memory never
-    fails a load."""
+    fails a load. `threads`: `run_shape` runs on that many intra-op threads rather than the
+    profile's own, and the timings say so (ShapeTiming.threads); a second call adds to the profile."""
     began = clock()
     total = len(plan.shapes)
     for number, shape in enumerate(plan.shapes, 1):
         if shape.bucket in profile.oom_caps:
             continue  # a smaller batch of this bucket already ran out of memory
         try:
-            timing, first_ms = _time_shape(plan, shape, run_shape, profile, clock)
+            timing, first_ms = _time_shape(plan, shape, run_shape, profile, clock, threads)
         except Exception as error:  # noqa: BLE001 - only out of memory is survivable here
             if not is_oom(error):
                 raise
@@ -53,18 +55,18 @@ def run_plan(plan: WarmupPlan, run_shape: Callable[[Shape], None], profile: Late
             on_oom(shape, error)
             continue
         event = {"event": "shape", "number": number, "of": total, "batch": shape.batch, "bucket": bucket_label(shape.bucket),
-                 "first_ms": round(first_ms, 1), "median_ms": timing.median_ms, "runs": timing.runs}
+                 "first_ms": round(first_ms, 1), "median_ms": timing.median_ms, "runs": timing.runs, "threads": threads}
         logger.info("tsbatch warmup shape %d of %d: batch %d x %s tokens: first %.1f ms, median %.1f ms (%d runs)",
                     number, total, shape.batch, bucket_label(shape.bucket), first_ms, timing.median_ms, timing.runs,
                     extra={"tsbatch_warmup": event})
-    profile.warmup_seconds = round(clock() - began, 3)
+    profile.warmup_seconds = round(profile.warmup_seconds + clock() - began, 3)
     return profile
 
 
 def _time_shape(plan: WarmupPlan, shape: Shape, run_shape: Callable[[Shape], None], profile: LatencyProfile,
-                clock) -> tuple[ShapeTiming, float]:
+                clock, threads: int | None = None) -> tuple[ShapeTiming, float]:
     first_ms, timings = time_runs(lambda: run_shape(shape), plan.repeats, plan.max_repeats, clock)
-    return profile.add(shape.batch, shape.bucket, first_ms, timings), first_ms
+    return profile.add(shape.batch, shape.bucket, first_ms, timings, threads), first_ms
 
 
 def time_runs(run: Callable[[], None], repeats: int, max_repeats: int,

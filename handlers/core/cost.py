@@ -14,7 +14,7 @@ Pure: no torch, no clock, no threads.
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 from tsbatch.warmup.plan import Bucket
 
@@ -27,22 +27,36 @@ def _unknown(*, bucket: Bucket, size: int) -> float:
 
 
 class CostModel:
-    """Seconds of one pass of `size` texts padded to `bucket`: the profile's median and p90."""
+    """Seconds of one pass of `size` texts padded to `bucket`: the profile's median and p90, on the
+    intra-op threads the profile's passes ran with (`threads`) or, where warmup also timed them on
+    more (`wider`: threads -> CostModel), on those."""
 
-    def __init__(self, median: Table | None = None, p90: Table | None = None):
+    def __init__(self, median: Table | None = None, p90: Table | None = None, threads: int | None = None,
+                 wider: Mapping[int, "CostModel"] | None = None):
         self._median = median or _unknown
         self._p90 = p90 or _unknown
         self.known = median is not None or p90 is not None  # False: no profile (warmup off)
+        self.threads = threads  # what a question without `threads` means (None: whatever the profile ran with)
+        self.wider = dict(wider or {})
 
     @classmethod
     def from_profile(cls, profile) -> "CostModel":
-        """From a warmup.profile.LatencyProfile (None: nothing known)."""
+        """From a warmup.profile.LatencyProfile (None: nothing known). Its shapes timed on other
+        thread counts (ShapeTiming.threads) answer questions asked with those `threads`."""
         if profile is None:
             return cls()
-        shapes = {}
+        default = profile_threads(profile)
+        by_threads: dict[int, dict] = {}
         for timing in profile.shapes:  # the first of a shape, as warmup wrote it
-            shapes.setdefault((timing.bucket, timing.batch), timing)
+            threads = timing.threads or default
+            by_threads.setdefault(threads, {}).setdefault((timing.bucket, timing.batch), timing)
+        models = {threads: cls._of(shapes, threads) for threads, shapes in by_threads.items()}
+        own = models.pop(default, None) or cls(threads=default)
+        own.wider = models
+        return own
 
+    @classmethod
+    def _of(cls, shapes: dict, threads: int) -> "CostModel":
         def median(*, bucket: Bucket, size: int) -> float:
             timing = shapes.get((bucket, size))
             return timing.median_ms / 1000 if timing else 0.0
@@ -51,19 +65,39 @@ class CostModel:
             timing = shapes.get((bucket, size))
             return timing.p90_ms / 1000 if timing else 0.0
 
-        return cls(median, p90)
+        return cls(median, p90, threads)
+
+    def _at(self, threads: int | None) -> "CostModel | None":
+        if threads is None or threads == self.threads or (self.threads is None and not self.wider):
+            return self
+        return self.wider.get(threads)
 
     def median(self, *, bucket: Bucket, size: int, threads: int | None = None) -> float:
-        """The typical time of the pass (`threads`: intra-op threads; the profile's own when None)."""
-        return self._median(bucket=bucket, size=size)
+        """The typical time of the pass (`threads`: intra-op threads; the profile's own when None;
+        0.0 when the profile has no timing on that many)."""
+        at = self._at(threads)
+        return at._median(bucket=bucket, size=size) if at else 0.0
 
     def p90(self, *, bucket: Bucket, size: int, threads: int | None = None) -> float:
         """A slow run of the pass: what deadlines are checked against."""
-        return self._p90(bucket=bucket, size=size)
+        at = self._at(threads)
+        return at._p90(bucket=bucket, size=size) if at else 0.0
 
     def typical(self, *, bucket: Bucket, size: int, threads: int | None = None) -> float:
         """The median, or the p90 where only that is known."""
         return self.median(bucket=bucket, size=size, threads=threads) or self.p90(bucket=bucket, size=size, threads=threads)
+
+
+def profile_threads(profile) -> int:
+    """The intra-op threads a profile's passes ran with unless a timing says otherwise (its lanes'
+    threads; torch's when it ran without lanes)."""
+    per_bucket = profile.environment.get("threads_per_bucket")
+    if isinstance(per_bucket, dict) and per_bucket:
+        return max(1, min(int(v) for v in per_bucket.values()))
+    if isinstance(per_bucket, int):
+        return max(1, per_bucket)
+    threads = profile.environment.get("torch_threads")
+    return threads if isinstance(threads, int) and threads > 0 else 1
 
 
 # -- a lane's pace --------------------------------------------------------------------------------

@@ -180,7 +180,7 @@ class Metrics:
                 self._generation_sent[key] = stats[key]
 
     def warmup(self, profile: Any) -> None:
-        for shape in profile.shapes:
+        for shape in profile.own_shapes():
             self.emit("tsbatch_warmup_seconds", round(shape.total_ms / 1000, 4), bucket=shape.bucket, batch=shape.batch)
         self.emit("tsbatch_warmup_total_seconds", profile.warmup_seconds)
 

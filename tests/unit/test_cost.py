@@ -108,3 +108,32 @@ def test_from_profile_reads_the_median_and_p90_of_each_shape_in_seconds():
     assert cost.median(bucket=(16, 32), size=2) == pytest.approx(pair.median_ms / 1000)  # a bucket of pairs
     assert cost.median(bucket=16, size=2) == 0.0 and cost.p90(bucket=32, size=1) == 0.0  # shapes warmup did not run
     assert cost.median(bucket=32, size=1) == 0.0 and cost.typical(bucket=16, size=8) == 0.0
+
+
+def test_shapes_timed_on_more_threads_answer_questions_asked_with_those_threads():
+    profile = LatencyProfile(model="m", environment={"threads_per_bucket": {"16": 1, "256": 1}})
+    profile.add(1, 256, 100.0, [80.0, 80.0, 80.0])
+    profile.add(1, 256, 60.0, [45.0, 45.0, 45.0], threads=2)  # borrow_cores: the same shape on both lanes' threads
+    cost = CostModel.from_profile(profile)
+    assert cost.threads == 1 and set(cost.wider) == {2}
+    assert cost.median(bucket=256, size=1) == cost.median(bucket=256, size=1, threads=1) == pytest.approx(0.080)
+    assert cost.median(bucket=256, size=1, threads=2) == pytest.approx(0.045)
+    assert cost.p90(bucket=256, size=1, threads=2) == pytest.approx(0.045)
+    assert cost.typical(bucket=256, size=1, threads=4) == 0.0  # never timed on 4: unknown, not the 1-thread time
+    assert profile.lookup(batch=1, bucket=256).median_ms == 80.0
+    assert profile.lookup(batch=1, bucket=256, threads=2).median_ms == 45.0
+    assert [t.threads for t in profile.own_shapes()] == [None]
+
+
+def test_a_profile_with_wider_timings_reads_back_the_same_and_one_without_reads_as_before():
+    profile = LatencyProfile(model="m", environment={})
+    profile.add(1, 16, 5.0, [2.0, 2.0, 2.0])
+    assert "threads" not in profile.to_json()  # the file format is unchanged without borrow_cores
+    profile.add(1, 16, 5.0, [1.5, 1.5, 1.5], threads=2)
+    again = LatencyProfile.from_json(profile.to_json())
+    assert again.shapes == profile.shapes and [s.threads for s in again.shapes] == [None, 2]
+
+
+def test_a_cost_model_without_thread_counts_answers_the_same_for_any_threads():
+    cost = CostModel(median=lambda *, bucket, size: 0.1)
+    assert cost.median(bucket=16, size=1, threads=1) == cost.median(bucket=16, size=1, threads=8) == 0.1
