@@ -36,6 +36,10 @@ BEHIND = 2
 RECENT = 8  # arrivals whose gaps tell the worker's traffic
 BUSY = 0.5  # single-request passes per median arrival gap from which holding for company may pay
 FULL = 1 / math.log(2)  # ... from which one lane cannot keep up with passes of one: always hold
+# a pass borrows idle lanes' cores only when that saves at least this much of its time: below it the
+# frontend and the worker's I/O, which then find no core free, lose more than the pass gains (short
+# passes on both threads at light load lost live, docs/experiments.md 12-01 11:22)
+BORROW_SAVING = 0.010
 
 
 class Priority(enum.IntEnum):
@@ -82,12 +86,14 @@ class PolicySettings:
     queue_cap: int  # texts waiting in this worker, all buckets together
     age_bound: float  # seconds after which a bucket's oldest request jumps the shortest-first order
     priority_aging: float  # seconds of waiting that raise a request by one priority class
+    borrow_cores: bool = False  # a pass may run on every lane's threads while the other lanes idle
 
     @classmethod
     def of(cls, config, edges: Sequence[Bucket]) -> "PolicySettings":
         """From the handler configuration (handlers/edge/config.HandlerConfig: its keys in ms)."""
         return cls(edges=tuple(edges), max_wait=config.max_wait_ms / 1000, queue_cap=config.queue_cap,
-                   age_bound=config.age_bound_ms / 1000, priority_aging=config.priority_aging_ms / 1000)
+                   age_bound=config.age_bound_ms / 1000, priority_aging=config.priority_aging_ms / 1000,
+                   borrow_cores=config.borrow_cores)
 
 
 @dataclass(frozen=True)
@@ -263,9 +269,28 @@ class Policy:
             wait = None if expired else self.time_until_ready(now, state.buckets + helped)
             return Plan(lane, expired, threads=state.threads, wait=wait)
         batch, tickets = picked
-        typical = self.cost.median(bucket=batch.bucket, size=batch.size)
+        threads = self.pass_threads(lane, batch)
+        typical = self.cost.median(bucket=batch.bucket, size=batch.size, threads=threads)
         state.running, state.started, state.typical = batch.bucket, now, typical
-        return Plan(lane, expired, batch, tuple(tickets), state.threads, started=now, typical=typical)
+        return Plan(lane, expired, batch, tuple(tickets), threads, started=now, typical=typical)
+
+    def pass_threads(self, lane: int, batch: Batch) -> int:
+        """The intra-op threads of a pass: its lane's share, or every lane's threads when
+        `borrow_cores` is on, every other lane is idle with nothing queued, and the cost model (a
+        profile timed on that many threads) says the pass ends at least BORROW_SAVING sooner and
+        is likely over before the next arrival (`quiet`): the cores would otherwise idle. A lane
+        that wakes meanwhile runs beside it on its own share, three threads on two cores, which
+        costs its pass and the borrowed one more than borrowing saved (the simulator, 12-03)."""
+        own = self.lanes[lane].threads
+        others = [s for j, s in enumerate(self.lanes) if j != lane]
+        if not self.settings.borrow_cores or not others:
+            return own
+        if any(s.running is not None or any(self.queues[b] for b in s.buckets) for s in others):
+            return own
+        wide = own + sum(s.threads for s in others)
+        at_wide = self.cost.median(bucket=batch.bucket, size=batch.size, threads=wide)
+        at_own = self.cost.median(bucket=batch.bucket, size=batch.size, threads=own)
+        return wide if 0 < at_wide <= at_own - BORROW_SAVING and self.quiet(at_wide) else own
 
     def finished(self, plan: Plan, now: float) -> None:
         """The lane's pass (if any) ended at `now`: it is free, and its pace learns how long it took."""
@@ -371,11 +396,16 @@ class Policy:
             return oldest + max_wait
         alone /= self._serving(bucket) if helping else 1
         gap = self.arrivals.median_gap()
-        if alone < BUSY * gap:
+        if self.quiet(alone):
             return oldest  # passes of one keep up easily
         if alone < FULL * gap and self.company[bucket].median_gap() > max_wait:
             return oldest  # busy, but no company would come within the hold
         return oldest + max_wait  # fill batches
+
+    def quiet(self, seconds: float) -> bool:
+        """Whether a pass of `seconds` is likely over before the next request arrives: it takes
+        under BUSY of the worker's median arrival gap."""
+        return seconds < BUSY * self.arrivals.median_gap()
 
     def _serving(self, bucket: Bucket) -> int:
         """How many lanes can run `bucket`'s passes now: its own and each later lane that is idle

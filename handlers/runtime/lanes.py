@@ -43,13 +43,17 @@ class Lanes:
     def __init__(self, policy: Policy, isolator, clock: Callable[[], float] = time.monotonic,
                  on_answer: Callable[[Ticket, Answer], None] | None = None,
                  on_batch: Callable[..., None] | None = None,
-                 on_lane_start: Callable[[int], None] | None = None):
+                 on_lane_start: Callable[[int], None] | None = None,
+                 use_threads: Callable[[int, int], None] | None = None):
         self.policy = policy
         self.isolator = isolator
         self.clock = clock
         self.on_answer = on_answer or (lambda ticket, answer: None)  # metrics, tests: after the reply
         self.on_batch = on_batch or (lambda *args: None)
         self.on_lane_start = on_lane_start or (lambda lane: None)
+        # (lane, threads): before a pass whose plan asks for other intra-op threads than the lane's last
+        self.use_threads = use_threads or (lambda lane, threads: None)
+        self.lane_threads = [state.threads for state in policy.lanes]  # each lane thread's own: only it touches its entry
         self.cond = threading.Condition()  # guards the policy
         self.stopping = False  # guarded by cond
         self.threads = [threading.Thread(target=self._lane, args=(i,), name=f"tsbatch-lane-{i}", daemon=True)
@@ -120,6 +124,9 @@ class Lanes:
             self._answer(ticket, Answer(missed_deadline(), 0))
         if plan.batch is None:
             return
+        if plan.threads != self.lane_threads[plan.lane]:  # the policy lent it idle lanes' cores, or took them back
+            self.use_threads(plan.lane, plan.threads)
+            self.lane_threads[plan.lane] = plan.threads
         batch, tickets = plan.batch, plan.tickets
         started = self.clock()
         try:

@@ -23,7 +23,8 @@ def warm_up(model, config, edges, sizes_for: Callable[[int], tuple[int, ...]], l
             startup_timeout, on_oom: Callable, forward: Callable | None = None) -> LatencyProfile:
     """Run every shape the handler can form and return the timings as the profile (kept in
     model_dir for operators and the tuner). `lanes`: [(buckets, threads)], or None in default mode;
-    `forward`: how a pass runs (default: the model's own)."""
+    `forward`: how a pass runs (default: the model's own). With `borrow_cores`, every shape is timed
+    again on all the lanes' threads (ShapeTiming.threads): twice the warmup."""
     forward = forward or model.forward
     plan = WarmupPlan(tuple(plan_shapes(edges, sizes_for)),
                       config.warmup_repeats, config.warmup_max_repeats)
@@ -31,10 +32,10 @@ def warm_up(model, config, edges, sizes_for: Callable[[int], tuple[int, ...]], l
     threads_for = {b: t for lane, t in (lanes or []) for b in lane}
     examples: dict[int, Batch] = {}
 
-    def run_shape(shape: Shape) -> None:
+    def run_shape(shape: Shape, threads: int | None = None) -> None:
         if shape.bucket not in examples:
             examples[shape.bucket] = example_batch(model, 1, shape.bucket)
-        threads = threads_for.get(shape.bucket, default_threads)
+        threads = threads or threads_for.get(shape.bucket, default_threads)
         if threads:
             model.use_threads(threads)
         forward(Batch(shape.bucket, examples[shape.bucket].items * shape.batch))
@@ -46,6 +47,9 @@ def warm_up(model, config, edges, sizes_for: Callable[[int], tuple[int, ...]], l
             raise
         on_oom(None, error)
         seconds = 0.0
+    wide = borrowed_threads(config, lanes)
+    if wide:
+        seconds *= 2  # every shape again on the wide threads: at most as long again
     event = {"event": "estimate", "shapes": len(plan.shapes), "seconds": round(seconds, 1),
              "startup_timeout": startup_timeout}
     if isinstance(startup_timeout, int) and seconds > startup_timeout:
@@ -61,6 +65,9 @@ def warm_up(model, config, edges, sizes_for: Callable[[int], tuple[int, ...]], l
                    "threads_per_bucket": {bucket_label(b): t for b, t in threads_for.items()} or default_threads}
     profile = LatencyProfile(model=model_name, environment=environment)
     run_plan(plan, run_shape, profile, is_oom=is_out_of_memory, describe=describe, on_oom=on_oom)
+    if wide:  # what a pass costs on every lane's threads, for the policy to borrow idle lanes' cores
+        run_plan(plan, lambda shape: run_shape(shape, wide), profile, is_oom=is_out_of_memory, describe=describe,
+                 on_oom=on_oom, threads=wide)
     if profile.shapes:  # warmup ends on its largest shapes; the likeliest first request is the smallest
         run_shape(Shape(profile.shapes[0].batch, profile.shapes[0].bucket))
     if default_threads:
@@ -71,6 +78,14 @@ def warm_up(model, config, edges, sizes_for: Callable[[int], tuple[int, ...]], l
                 profile.warmup_seconds, os.getpid(), path, profile.to_json().replace("\n", ""),
                 extra={"tsbatch_warmup": {"event": "done", "seconds": profile.warmup_seconds, "path": path}})
     return profile
+
+
+def borrowed_threads(config, lanes) -> int | None:
+    """All the worker's lanes' threads together, where `borrow_cores` lets one pass use them and
+    there is more than one lane to borrow from (None: warmup times the lanes' own threads only)."""
+    if not getattr(config, "borrow_cores", False) or not lanes or len(lanes) < 2:
+        return None
+    return sum(threads for _, threads in lanes)
 
 
 def example_batch(model, size: int, length: int) -> Batch:

@@ -209,3 +209,28 @@ def test_a_request_of_many_texts_gets_each_texts_own_answer_padded_to_its_own_bu
     padded = many.headers["x-tsbatch-padded-to"].split(",")
     assert len(padded) == 32 and padded[-1] == "256" and max(int(p) for p in padded[:-1]) <= 32
     assert handler.mode.running == {}
+
+
+def test_with_borrow_cores_a_lone_long_request_runs_on_both_lanes_threads_and_answers_the_same(minilm_dir, reference):
+    handler, context = load_handler(minilm_dir, frontend=CONTINUOUS, buckets=[32, 256], max_batch_size=2,
+                                    long_lane_from=128, torch_threads=2, borrow_cores=True, warmup=True,
+                                    warmup_repeats=1, poll_ms=5)
+    profile = handler.profile
+    assert profile.lookup(batch=1, bucket=256, threads=2) is not None  # warmup timed the wide shapes too
+    assert profile.lookup(batch=1, bucket=256) is not None
+    switched = []
+    model = handler.worker.model
+    own_use_threads = model.use_threads
+    model.use_threads = lambda count, background=False: (switched.append(count), own_use_threads(count, background))
+    try:
+        frontend = ContinuousFrontend(handler, context)
+        frontend.submit("long", LONG)
+        replies = frontend.drain()
+    finally:
+        model.use_threads = own_use_threads
+    assert replies["long"].status == 200
+    assert cosine(replies["long"].body["embedding"], reference[LONG]) >= 0.9999
+    wide = profile.lookup(batch=1, bucket=256, threads=2).median_ms
+    own = profile.lookup(batch=1, bucket=256).median_ms
+    # the policy lends the idle short lane's thread where warmup measured it 10 ms faster
+    assert switched == ([2] if wide <= own - 10 else []), (own, wide, switched)

@@ -657,3 +657,55 @@ def test_an_earlier_lane_takes_over_from_a_later_one_that_fell_behind_on_time_it
     p.finished(running, 1.1)
     assert p.lanes[0].load.idle_share(1.1) == 1.0  # a later lane's work is not its own
     assert p.lanes[1].load.idle_share(1.1) < 1.0
+
+
+# -- borrowing idle lanes' cores (borrow_cores) -----------------------------------------------------------
+
+def wide_cost(own: float, wide: float) -> CostModel:
+    """Lanes of 1 thread each: every pass takes `own` on 1 thread and `wide` on 2."""
+    at = lambda seconds: (lambda *, bucket, size: seconds)  # noqa: E731
+    return CostModel(at(own), at(own), threads=1, wider={2: CostModel(at(wide), at(wide), threads=2)})
+
+
+def one_thread_lanes(cost: CostModel, **overrides) -> Policy:
+    return Policy(policy(max_wait=100.0, **overrides), lambda bucket: batch_cap(bucket, TOKENS), cost,
+                  lanes=[SHORT_LANE, LONG_LANE], threads=[1, 1])
+
+
+def test_a_long_pass_borrows_the_idle_short_lanes_thread_only_when_asked_and_it_saves_enough():
+    for borrow, cost, expected in [(False, wide_cost(0.088, 0.045), 1),  # off: the lane's own share
+                                   (True, wide_cost(0.088, 0.045), 2),
+                                   (True, wide_cost(0.015, 0.008), 1),  # 7 ms saved: under BORROW_SAVING
+                                   (True, wide_cost(0.088, 0.0), 1),  # never timed on 2 threads
+                                   (True, flat(0.088), 1)]:  # a cost model without thread counts
+        p = one_thread_lanes(cost, borrow_cores=borrow)
+        submit(p, 256, 1, arrived=0.0)
+        plan = p.schedule(1, 1.0)
+        assert plan.batch.bucket == 256 and plan.threads == expected, (borrow, expected)
+        assert plan.typical == pytest.approx(cost.median(bucket=256, size=1, threads=expected))
+
+
+def test_no_borrowing_while_another_lane_runs_or_has_work_queued():
+    p = one_thread_lanes(wide_cost(0.088, 0.045), borrow_cores=True)
+    submit(p, 16, CAP[16], arrived=0.0)
+    submit(p, 256, 1, arrived=0.0)
+    assert p.schedule(1, 1.0).threads == 1  # the short lane has a full batch waiting
+    short = p.schedule(0, 1.0)
+    assert short.batch.bucket == 16 and short.threads == 1  # the long lane is running
+    p.finished(short, 1.1)
+    submit(p, 256, 1, arrived=1.1)
+    assert p.schedule(0, 1.1).idle  # nothing of its own; the long lane is not behind
+    p2 = one_thread_lanes(wide_cost(0.088, 0.045), borrow_cores=True)
+    submit(p2, 16, 1, arrived=0.0)
+    assert p2.schedule(0, 200.0).threads == 2  # a short pass borrows the idle long lane's thread too
+
+
+def test_no_borrowing_while_requests_arrive_more_often_than_every_two_borrowed_passes():
+    p = one_thread_lanes(wide_cost(0.088, 0.045), borrow_cores=True)
+    for i in range(8):  # one every 60 ms: a 45 ms pass would likely have company arrive mid-pass
+        submit(p, 256, 1, arrived=i * 0.060)
+    assert p.schedule(1, 1.0).threads == 1
+    q = one_thread_lanes(wide_cost(0.088, 0.045), borrow_cores=True)
+    for i in range(8):  # one every 100 ms: over before the next
+        submit(q, 256, 1, arrived=i * 0.100)
+    assert q.schedule(1, 1.0).threads == 2

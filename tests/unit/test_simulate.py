@@ -285,3 +285,22 @@ def test_overheads_measured_on_another_machine_come_from_its_report_and_change_t
     # 0.05 cores per req/s outside: at 20 req/s a whole core is the frontend's
     assert capacities("--overheads", str(path))["tsbatch"] < capacities()["tsbatch"]
     assert main(["simulate", "--profile", str(profile_path), "--overheads", str(tmp_path / "bad.json")]) == 2
+
+
+def test_with_borrow_cores_a_lone_long_request_runs_on_both_lanes_threads_in_the_simulator():
+    """The template's two lanes of one thread each; the profile also timed every shape on two (as
+    warmup does with borrow_cores): at light load the long class is answered sooner."""
+    lanes = cpu_like(1)
+    lanes.environment["threads_per_bucket"] = {str(edge): 1 for edge in default_edges(MAX_LENGTH)}
+    for timing in cpu_like(2).shapes:
+        lanes.add(timing.batch, timing.bucket, timing.first_ms, [timing.median_ms] * 3, threads=2)
+    profiles = {1: lanes}
+    assert set(PassTimes(profiles).tables) == {1, 2}
+    tokens = workload_tokens("two-cluster")
+    template = {"task": "embedding", "torch_threads": 2}
+    plain = Arm("plain", config=HandlerConfig.from_yaml(template), batch_size=96)
+    borrow = Arm("borrow", config=HandlerConfig.from_yaml({**template, "borrow_cores": True}), batch_size=96)
+    off = at_rate(plain, 2, tokens, profiles, MAX_LENGTH, duration=60, overheads=NO_OUTSIDE)
+    on = at_rate(borrow, 2, tokens, profiles, MAX_LENGTH, duration=60, overheads=NO_OUTSIDE)
+    assert on.ok == on.sent and off.ok == off.sent
+    assert on.latency["long"]["p50"] < 0.8 * off.latency["long"]["p50"]

@@ -35,7 +35,7 @@ class ScheduledMode:
         logger.info("tsbatch scheduler (%s mode): lanes (buckets, threads) %s, %s", self.name, lanes, policy.settings)
         socket_guard.install()
         self.engine = Lanes(policy, worker.isolator, on_answer=self._on_answer, on_batch=self._on_batch,
-                            on_lane_start=self._on_lane_start).start()
+                            on_lane_start=self._on_lane_start, use_threads=self._use_threads).start()
 
     def close(self) -> None:
         self.engine.stop()
@@ -82,4 +82,7 @@ class ScheduledMode:
         self.worker.after_batch(batch, report)
 
     def _on_lane_start(self, index: int) -> None:
-        self.worker.model.use_threads(self.lanes[index][1], background=index > 0)
+        self._use_threads(index, self.lanes[index][1])
+
+    def _use_threads(self, index: int, threads: int) -> None:
+        self.worker.model.use_threads(threads, background=index > 0)
