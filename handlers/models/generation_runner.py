@@ -1,9 +1,12 @@
 """The generation engine's model runner: prefill and batched greedy decode of a causal LM with a KV cache.
 
 Chosen: each sequence owns a KV cache (a view of its row in the batch of its last step); a step
-runs on one transformers DynamicCache, the last step's batch as it is or one left-padded from the
+runs on one transformers Cache, the last step's batch as it is or one left-padded from the
 views. Not transformers' continuous batching (generate_batch, correct here): it runs its own
 scheduler loop and fails every request of a batch on one error; ours plans and isolates per step.
+The batch's layers are `_RoomyLayer`s, transformers' DynamicLayer with room to grow: DynamicLayer
+concatenates (a copy of the whole cache every step, and one more to build it from the views),
+which on the bench's model was a third of a decode step; a step now writes its token in place.
 """
 from __future__ import annotations
 
@@ -13,18 +16,70 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+from transformers.cache_utils import DynamicLayer
 
 from tsbatch.handlers.core.errors import ConfigError, OutOfMemory
 
 logger = logging.getLogger(__name__)
 
+ROOM = 64  # tokens of room a batch's cache is given when it fills: one copy per ROOM decode steps, not per step
+
+
+class _RoomyLayer(DynamicLayer):
+    """One layer's KV cache in buffers with room ([rows, heads, capacity, head_dim]): `keys` and
+    `values` are views of the filled part, and an update writes after it in place (copying into
+    larger buffers only when full). A view handed out before stays valid: nothing before
+    `length` is ever written again."""
+
+    def __init__(self, keys: torch.Tensor | None = None, values: torch.Tensor | None = None, length: int = 0):
+        super().__init__()
+        self.buffers = None if keys is None else (keys, values)
+        self.length = length
+        if keys is not None:
+            self._initialize(keys)
+            self.keys, self.values = keys[:, :, :length], values[:, :, :length]
+
+    def _initialize(self, like: torch.Tensor) -> None:
+        """What DynamicLayer.lazy_initialization sets (its signature differs between 4.x and 5.x)."""
+        self.dtype, self.device, self.is_initialized = like.dtype, like.device, True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self._initialize(key_states)
+        end = self.length + key_states.shape[-2]
+        if self.buffers is None or end > self.buffers[0].shape[-2]:
+            self.buffers = tuple(_with_room(old, state, self.length, end) for old, state in
+                                 zip(self.buffers or (None, None), (key_states, value_states)))
+        keys, values = self.buffers
+        keys[:, :, self.length:end] = key_states
+        values[:, :, self.length:end] = value_states
+        self.length = end
+        self.keys, self.values = keys[:, :, :end], values[:, :, :end]
+        return self.keys, self.values
+
+
+def _with_room(old: torch.Tensor | None, state: torch.Tensor, length: int, end: int) -> torch.Tensor:
+    """A buffer for `end` tokens and ROOM more, holding `old`'s first `length`."""
+    shape = (*state.shape[:2], end + ROOM, state.shape[3])
+    buffer = state.new_zeros(shape)
+    if old is not None and length:
+        buffer[:, :, :length] = old[:, :, :length]
+    return buffer
+
 
 @dataclass(frozen=True, eq=False)
 class _Batch:
-    """The padded KV cache of the step that last grew a set of sequences: [rows, heads, length, head_dim] per layer."""
+    """The padded KV cache of the step that last grew a set of sequences: one _RoomyLayer per model
+    layer, `length` tokens long (with padding) when that step ended."""
 
-    layers: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+    layers: tuple[_RoomyLayer, ...]
     rows: int
+    length: int
+
+    @property
+    def intact(self) -> bool:
+        """Nothing wrote past the step that made it (a step on it that raised may have, in some layers)."""
+        return all(layer.length == self.length for layer in self.layers)
 
 
 @dataclass(frozen=True)
@@ -62,16 +117,17 @@ class GenerationRunner:
 
     def __init__(self, model_dir: str, device: str = "cpu"):
         from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
-        from transformers.cache_utils import DynamicLayer
 
         self.device = torch.device(device)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         self.lm = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, use_safetensors=True)
         self.lm = self.lm.to(self.device).eval()
-        kinds = {type(layer).__name__ for layer in DynamicCache(config=self.lm.config).layers}
+        layers = DynamicCache(config=self.lm.config).layers
+        kinds = {type(layer).__name__ for layer in layers}
         if kinds != {DynamicLayer.__name__}:
             raise ConfigError(f"generation serves models whose KV cache is plain full attention; {model_dir} has "
                               f"{sorted(kinds)} layers (sliding windows or recurrent state are not supported yet)")
+        self.layer_count = len(layers)
         self._cache_class = DynamicCache
         # transformers 5 names the KV cache `cache` (argument and output); 4.x `past_key_values`
         forward = inspect.signature(self.lm.forward).parameters
@@ -116,8 +172,9 @@ class GenerationRunner:
             ids[row, longest - len(context):] = torch.tensor(list(context), dtype=torch.long)
             mask[row, longest - len(context):] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = self._forward(ids, mask, positions, self._cache_class())
-        return self._split(out, [longest - len(c) for c in contexts])
+        layers = [_RoomyLayer() for _ in range(self.layer_count)]
+        out = self._forward(ids, mask, positions, self._cache(layers))
+        return self._split(layers, out, [longest - len(c) for c in contexts])
 
     @torch.inference_mode()
     def decode(self, rows: Sequence[tuple[int, SequenceCache]]) -> list[RowResult]:
@@ -128,29 +185,37 @@ class GenerationRunner:
         lengths = [cache.length for _, cache in rows]
         longest = max(lengths)
         same = rows[0][1].batch
-        if same is not None and same.rows == len(rows) and all(c.batch is same and c.row == i for i, (_, c) in enumerate(rows)):
+        if (same is not None and same.rows == len(rows) and same.intact
+                and all(c.batch is same and c.row == i for i, (_, c) in enumerate(rows))):
             layers = list(same.layers)  # the sequences of the last step, in its order: no copy
-            longest = same.layers[0][0].shape[-2]  # its padding as that step left it (a prefill's edge)
+            longest = same.length  # its padding as that step left it (a prefill's edge)
         else:
-            layers = [self._combine([cache.layers[layer] for _, cache in rows], lengths, longest)
+            layers = [_RoomyLayer(*self._combine([cache.layers[layer] for _, cache in rows], lengths, longest), longest)
                       for layer in range(len(rows[0][1].layers))]
         mask = torch.zeros((len(rows), longest + 1), dtype=torch.long)
         for row, length in enumerate(lengths):
             mask[row, longest - length:] = 1
         ids = torch.tensor([[token] for token, _ in rows], dtype=torch.long)
         positions = torch.tensor([[length] for length in lengths], dtype=torch.long)
-        out = self._forward(ids, mask, positions, self._cache_class(ddp_cache_data=layers))
-        return self._split(out, [longest - length for length in lengths])
+        out = self._forward(ids, mask, positions, self._cache(layers))
+        return self._split(layers, out, [longest - length for length in lengths])
+
+    def _cache(self, layers: list[_RoomyLayer]):
+        """A transformers Cache on these layers (set after construction: both 4.x and 5.x read `layers`)."""
+        cache = self._cache_class()
+        cache.layers = layers
+        return cache
 
     @staticmethod
     def _combine(per_row: list[tuple[torch.Tensor, torch.Tensor]], lengths: list[int], longest: int):
-        """One layer's (keys, values) of several sequences, left-padded with zeros to `longest`."""
+        """One layer's (keys, values) of several sequences, left-padded with zeros to `longest`, in
+        buffers with ROOM tokens to spare."""
         keys, values = per_row[0]
-        shape = (len(per_row), keys.shape[1], longest, keys.shape[3])
+        shape = (len(per_row), keys.shape[1], longest + ROOM, keys.shape[3])
         batch_keys, batch_values = keys.new_zeros(shape), values.new_zeros(shape)
         for row, (k, v) in enumerate(per_row):
-            batch_keys[row, :, longest - lengths[row]:] = k[0]
-            batch_values[row, :, longest - lengths[row]:] = v[0]
+            batch_keys[row, :, longest - lengths[row]:longest] = k[0]
+            batch_values[row, :, longest - lengths[row]:longest] = v[0]
         return batch_keys, batch_values
 
     def _forward(self, ids, mask, positions, cache):
@@ -165,13 +230,12 @@ class GenerationRunner:
                 torch.cuda.empty_cache()
             raise OutOfMemory(f"a generation step of {ids.shape[0]} sequences ran out of memory: {error}") from error
 
-    def _split(self, out, padding: list[int]) -> list[RowResult]:
+    def _split(self, layers: list[_RoomyLayer], out, padding: list[int]) -> list[RowResult]:
         logits = out.logits[:, -1].float()
         bad = torch.isnan(logits).any(dim=-1).tolist()
         tokens = logits.argmax(dim=-1).tolist()
-        layers = tuple((keys, values) for keys, values, *_ in out[self._cache_name])
-        batch = _Batch(layers, len(padding))
+        batch = _Batch(tuple(layers), len(padding), layers[0].length)
         return [RowResult(None if bad[row] else tokens[row],
-                          SequenceCache(tuple((k[row:row + 1, :, pad:], v[row:row + 1, :, pad:]) for k, v in layers),
-                                        batch, row))
+                          SequenceCache(tuple((layer.keys[row:row + 1, :, pad:], layer.values[row:row + 1, :, pad:])
+                                              for layer in layers), batch, row))
                 for row, pad in enumerate(padding)]
