@@ -508,10 +508,9 @@ def test_the_runner_knows_what_one_kv_cache_token_costs(runner):
     assert runner.kv_bytes_per_token == 2 * 2 * 32 * 4  # layers x (keys, values) x width x float32
 
 
-def decode_by_hand(runner, prompts_, new: int, order=None) -> list[list[int]]:
-    """Prefill the prompts together, then decode them together for `new` tokens; at step i the rows
-    go in `order(i)` (a permutation: not the last step's order, so combined from the views)."""
-    rows = runner.prefill(list(prompts_))
+def decode_on(runner, rows, new: int, order=None) -> list[list[int]]:
+    """Decode the sequences of a prefill's `rows` together until each has `new` tokens; at step i
+    they go in `order(i)` (a permutation other than the last step's order is combined from the views)."""
     tokens, caches = [[r.token] for r in rows], [r.cache for r in rows]
     for i in range(new - 1):
         index = order(i) if order else list(range(len(rows)))
@@ -528,7 +527,7 @@ def test_kv_caches_grow_in_place_past_their_room_and_answer_as_alone(runner):
     batch = prompts(3, seed=9, shortest=3, longest=30)
     new = 2 * ROOM + 5  # the batch's buffers fill and are copied into larger ones twice
     swap = lambda i: [2, 1, 0] if i in (7, ROOM + 3) else [0, 1, 2]  # and are combined anew twice
-    got = decode_by_hand(runner, batch, new, swap)
+    got = decode_on(runner, runner.prefill(batch), new, swap)
     assert got == [alone(runner, p, new) for p in batch]
 
 
@@ -542,13 +541,7 @@ def test_a_batch_a_failed_step_wrote_into_is_not_reused(runner):
     with torch.inference_mode():  # the first layer went one token on, as in a step that raised after it
         layer.update(torch.ones_like(keys), torch.ones_like(keys))
     assert not rows[0].cache.batch.intact
-    tokens, caches = [[r.token] for r in rows], [r.cache for r in rows]
-    for _ in range(5):
-        got = runner.decode([(tokens[j][-1], caches[j]) for j in range(2)])
-        for j, result in enumerate(got):
-            tokens[j].append(result.token)
-            caches[j] = result.cache
-    assert tokens == [alone(runner, p, 6) for p in batch]
+    assert decode_on(runner, rows, 6) == [alone(runner, p, 6) for p in batch]
 
 
 def test_over_grpc_every_answer_is_one_final_reply_so_a_predictions_call_is_never_answered_twice(runner, served):
