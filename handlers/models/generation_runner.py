@@ -7,6 +7,7 @@ scheduler loop and fails every request of a batch on one error; ours plans and i
 The batch's layers are `_RoomyLayer`s, transformers' DynamicLayer with room to grow: DynamicLayer
 concatenates (a copy of the whole cache every step, and one more to build it from the views),
 which on the bench's model was a third of a decode step; a step now writes its token in place.
+The room is memory kv_bound does not count: up to ROOM tokens per row of each batch still held.
 """
 from __future__ import annotations
 
