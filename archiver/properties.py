@@ -26,6 +26,18 @@ TOKEN_AUTH_ON_REASON = (
 )
 
 
+# The frontend JIT-compiles with C1 only. With both tiers (the JVM's default) the first seconds of
+# traffic after a start run C2's compiler threads beside the passes: on a 2-core machine they took a
+# core for the first requests of every worker's life (the first of five lengths after READY at
+# 1.3-2.4x steady, C1 only 1.0-1.6x: bench/results/first-request.md); C2's code costs less per request
+# once compiled, which bench/results/frontend.md weighs under saturation.
+FRONTEND_JIT = ("-XX:TieredStopAtLevel=1",)
+LOG_REASON = ("tsbatch's log4j2.xml leaves out TorchServe's lines per worker call (continuous mode calls a worker "
+              "every few milliseconds while requests are in flight).")
+JIT_REASON = ("C1 JIT only (-XX:TieredStopAtLevel=1): C2's compiler threads would take a core from the model "
+              "during the first requests after every start.")
+
+
 @dataclass(frozen=True)
 class ServerSettings:
     """What the generated config.properties sets; defaults are the safe ones."""
@@ -44,6 +56,7 @@ class ServerSettings:
     max_response_size: int = 6553500
     metrics_config: str | None = None  # tsbatch's metrics yaml (install_metrics_config); None keeps TorchServe's
     log_config: str | None = None  # tsbatch's log4j2.xml (install_log_config); None keeps TorchServe's
+    jvm_args: tuple[str, ...] = FRONTEND_JIT  # more of the frontend JVM's arguments (vmargs); () keeps the JVM's own
     tuned: tuple[tuple[str, str, str], ...] = ()  # (key, value, reason) chosen by archiver.tune
 
 
@@ -69,9 +82,19 @@ def render_properties(settings: ServerSettings) -> str:
         max_response_size=settings.max_response_size,
         metrics_config_line=(f"metrics_config={os.path.abspath(settings.metrics_config)}"
                              if settings.metrics_config else "# metrics_config: TorchServe's default"),
-        log_config_line=(f"vmargs=-Dlog4j.configurationFile=file://{os.path.abspath(settings.log_config)}"
-                         if settings.log_config else "# log4j2.xml: TorchServe's default"),
+        **_vmargs(settings),
     ) + render_tuned(settings.tuned)
+
+
+def _vmargs(settings: ServerSettings) -> dict[str, str]:
+    """The vmargs line (tsbatch's log4j2.xml and jvm_args), each part under its reason; a comment
+    alone when both are left to TorchServe."""
+    args = ([f"-Dlog4j.configurationFile=file://{os.path.abspath(settings.log_config)}"] if settings.log_config else [])
+    args += list(settings.jvm_args)
+    reasons = ([LOG_REASON] if settings.log_config else []) + ([JIT_REASON] if settings.jvm_args else [])
+    if not args:
+        return {"vmargs_lines": "# vmargs: TorchServe's default JVM arguments and log4j2.xml"}
+    return {"vmargs_lines": "\n".join([f"# {reason}" for reason in reasons] + ["vmargs=" + " ".join(args)])}
 
 
 TUNED_HEADER = ("# Chosen by `tsbatch tune` for this machine, each under its reason. Server-wide defaults: "

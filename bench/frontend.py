@@ -3,7 +3,8 @@
 The archive `tsbatch archive` builds (as `make serve` serves it), one worker, open-loop Poisson
 traffic above what it answers, served by a fresh torchserve per variant of config.properties:
 as shipped, Netty's threads at 1 and at 4 (TorchServe's default is one per core), the serial
-garbage collector (the JVM picks G1 on a 2-core box), and the access log off. Variants take
+garbage collector (the JVM picks G1 on a 2-core box), the access log off, and the JVM's own
+two-tier JIT (tsbatch ships C1 only). Variants take
 turns, who goes first rotating by round. Per variant: answered req/s, not-200s, short p50/p99,
 and the cores the Java frontend and the worker process used. Writes
 bench/results/frontend.{json,md}. This answers whether the frontend's configuration is where a
@@ -24,6 +25,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from tsbatch.archiver import server  # noqa: E402
+from tsbatch.archiver.properties import FRONTEND_JIT  # noqa: E402
 from bench.loadtest import report as reports  # noqa: E402
 from bench.loadtest.arrivals import poisson_arrivals  # noqa: E402
 from bench.loadtest.load import run_open_loop  # noqa: E402
@@ -44,13 +46,15 @@ def variants(root: str) -> dict[str, tuple[tuple[str, str, str], ...]]:
         text = f.read()
     with open(quiet_log, "w") as f:
         f.write(access_log_off(text))
-    log = lambda path: f"-Dlog4j.configurationFile=file://{path}"  # noqa: E731
+    jit = " ".join(FRONTEND_JIT)
+    log = lambda path, more="": f"-Dlog4j.configurationFile=file://{path} {more}".strip()  # noqa: E731
     return {
         "shipped": (),
         "netty 1+1": (("number_of_netty_threads", "1", "bench"), ("netty_client_threads", "1", "bench")),
         "netty 4+4": (("number_of_netty_threads", "4", "bench"), ("netty_client_threads", "4", "bench")),
-        "serial GC": (("vmargs", f"{log(LOG4J)} -XX:+UseSerialGC", "bench"),),
-        "no access log": (("vmargs", log(quiet_log), "bench"),),
+        "serial GC": (("vmargs", log(LOG4J, f"{jit} -XX:+UseSerialGC"), "bench"),),
+        "no access log": (("vmargs", log(quiet_log, jit), "bench"),),
+        "JIT C1+C2 (JVM default)": (("vmargs", log(LOG4J), "bench"),),
     }
 
 

@@ -68,6 +68,7 @@ def test_frontend_variants_keep_tsbatchs_log_config_and_turn_only_the_access_log
     """bench/frontend.py: a variant that sets vmargs replaces the shipped line (the last key wins),
     so it must carry tsbatch's log4j2.xml itself; the quiet copy differs only in ACCESS_LOG."""
     from bench.frontend import LOG4J, access_log_off, variants
+    from tsbatch.archiver.properties import FRONTEND_JIT
 
     named = variants(str(tmp_path))
     assert named["shipped"] == ()
@@ -76,6 +77,8 @@ def test_frontend_variants_keep_tsbatchs_log_config_and_turn_only_the_access_log
             if key == "vmargs":
                 path = value.split("-Dlog4j.configurationFile=file://")[1].split()[0]
                 assert os.path.exists(path), name
+                # each differs from the shipped JVM in one thing: only the JIT variant drops C1-only
+                assert (" ".join(FRONTEND_JIT) in value) == ("JIT" not in name), name
     with open(LOG4J) as f:
         shipped = f.read()
     quiet = access_log_off(shipped)
@@ -83,3 +86,17 @@ def test_frontend_variants_keep_tsbatchs_log_config_and_turn_only_the_access_log
     assert quiet.replace('name="ACCESS_LOG" level="off"', 'name="ACCESS_LOG" level="info"') == shipped
     with pytest.raises(ValueError):
         access_log_off("<Configuration/>")
+
+
+def test_first_request_control_is_the_shipped_file_without_the_jit_flag():
+    """bench/first_request.py's control differs from the shipped config.properties in the JIT flag alone."""
+    from bench.first_request import without_jit
+    from tsbatch.archiver.properties import ServerSettings, render_properties
+
+    shipped = render_properties(ServerSettings(model_store="/tmp/store", load_models=("m.mar",), log_config="/tmp/l.xml"))
+    control = without_jit(shipped)
+    changed = [(a, b) for a, b in zip(shipped.splitlines(), control.splitlines()) if a != b]
+    assert changed == [("vmargs=-Dlog4j.configurationFile=file:///tmp/l.xml -XX:TieredStopAtLevel=1",
+                        "vmargs=-Dlog4j.configurationFile=file:///tmp/l.xml")]
+    with pytest.raises(ValueError):
+        without_jit(control)

@@ -10,6 +10,7 @@ import yaml
 
 from tsbatch.archiver.properties import (
     CONFIGS,
+    FRONTEND_JIT,
     LOOPBACK,
     ServerSettings,
     dump_model_config,
@@ -135,7 +136,7 @@ def test_every_placeholder_is_filled(store):
         *ADDRESSES, "model_store", "load_models", "allowed_urls", "enable_model_api",
         "disable_token_authorization", "max_request_size", "max_response_size", "metrics_mode",
         "install_py_dep_per_model", "grpc_inference_address", "grpc_inference_port",
-        "grpc_management_address", "grpc_management_port",
+        "grpc_management_address", "grpc_management_port", "vmargs",
     }
     assert set(read_properties(text)) == expected
 
@@ -164,7 +165,7 @@ def test_log_config_is_installed_and_drops_only_the_per_call_lines(tmp_path):
     path = install_log_config(str(tmp_path / "store"))
     values = read_properties(render_properties(ServerSettings(
         model_store=str(tmp_path / "store"), load_models=("m.mar",), log_config=path)))
-    assert values["vmargs"] == f"-Dlog4j.configurationFile=file://{path}"
+    assert values["vmargs"].split() == [f"-Dlog4j.configurationFile=file://{path}", *FRONTEND_JIT]
     loggers = {e.get("name"): e for e in ET.parse(path).getroot().iter("Logger")}
     dropped = loggers["org.pytorch.serve"].find("RegexFilter").get("regex")
     for line in ("result=[METRICS]tsbatch_batch_size.Count:4|#ModelName:m", "Looping backend response at: 1",
@@ -175,8 +176,13 @@ def test_log_config_is_installed_and_drops_only_the_per_call_lines(tmp_path):
     assert loggers["org.pytorch.serve"].get("level") == "info" and loggers["ACCESS_LOG"].get("level") == "info"
 
 
-def test_no_log_config_keeps_torchserves(store):
-    assert "vmargs" not in read_properties(render_properties(ServerSettings(model_store=store, load_models=("m.mar",))))
+def test_the_frontend_jit_is_c1_only_unless_asked_otherwise(store):
+    """The JIT flag rides on vmargs without a log config too; jvm_args=() (and no log config)
+    leaves vmargs to TorchServe, whose launcher then passes its own."""
+    values = read_properties(render_properties(ServerSettings(model_store=store, load_models=("m.mar",))))
+    assert values["vmargs"].split() == ["-XX:TieredStopAtLevel=1"]
+    bare = ServerSettings(model_store=store, load_models=("m.mar",), jvm_args=())
+    assert "vmargs" not in read_properties(render_properties(bare))
 
 
 # -- read_properties ---------------------------------------------------------------------------
