@@ -26,16 +26,16 @@ TOKEN_AUTH_ON_REASON = (
 )
 
 
-# The frontend JIT-compiles with C1 only. With both tiers (the JVM's default) the first seconds of
-# traffic after a start run C2's compiler threads beside the passes: on a 2-core machine they took a
-# core for the first requests of every worker's life (the first of five lengths after READY at
-# 1.3-2.4x steady, C1 only 1.0-1.6x: bench/results/first-request.md); C2's code costs less per request
-# once compiled, which bench/results/frontend.md weighs under saturation.
+# The frontend JIT-compiles with C1 only. With both tiers (the JVM's default) C2's compiler threads
+# run beside the passes for the first minute after a start: in a fresh server's first saturated 20 s
+# the frontend took 0.45 of 2 cores against 0.26 (bench/results/frontend.md), and 0.39 against 0.15
+# CPU seconds for the first five requests (first-request.md; their latency ratio was the same).
+# Once compiled, C2's code costs ~0.35 ms less frontend CPU per request (docs/operations.md).
 FRONTEND_JIT = ("-XX:TieredStopAtLevel=1",)
 LOG_REASON = ("tsbatch's log4j2.xml leaves out TorchServe's lines per worker call (continuous mode calls a worker "
               "every few milliseconds while requests are in flight).")
-JIT_REASON = ("C1 JIT only (-XX:TieredStopAtLevel=1): C2's compiler threads would take a core from the model "
-              "during the first requests after every start.")
+JIT_REASON = ("C1 JIT only (-XX:TieredStopAtLevel=1): C2's compiler threads would take CPU from the model "
+              "for the first minute after every start.")
 
 
 @dataclass(frozen=True)
