@@ -124,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (_archive_parser, _profile_parser, _tune_parser, _simulate_parser, _export_parser, _ready_parser,
-                _stop_parser, _config_docs_parser):
+                _scale_parser, _stop_parser, _config_docs_parser):
         add(sub)
     return parser
 
@@ -293,6 +293,21 @@ def _ready_parser(sub) -> None:
     ready.add_argument("--log", default="", help="log file to point at when it fails")
 
 
+def _scale_parser(sub) -> None:
+    scale = sub.add_parser(
+        "scale",
+        help="scale a model's workers through the management API and wait until they are all READY",
+        description="PUT /models/NAME?min_worker=N without TorchServe's synchronous mode (whose blocking "
+        "call stalls a share of the inference connections until the new workers are warm), then wait "
+        "until NAME has exactly N workers, all READY.",
+    )
+    scale.add_argument("--management", default="http://127.0.0.1:8081", help="management API address")
+    scale.add_argument("--name", default="minilm", help="model name")
+    scale.add_argument("--workers", type=int, required=True, help="workers to run (min_worker)")
+    scale.add_argument("--max-workers", type=int, default=None, help="max_worker (default: --workers)")
+    scale.add_argument("--timeout", type=float, default=600, help="seconds to wait (default 600)")
+
+
 def _stop_parser(sub) -> None:
     stop = sub.add_parser("stop", help="stop the torchserve whose pid file is in RUN_DIR/tmp and wait for it to exit")
     stop.add_argument("--run-dir", default=".run", help="the directory `make serve` ran torchserve in")
@@ -316,6 +331,12 @@ def cmd_stop(args) -> int:
     run_dir = os.path.abspath(args.run_dir)
     paths = server.ServerPaths(os.path.join(run_dir, "tmp"), os.path.join(run_dir, "logs"))
     print("tsbatch: torchserve stopped" if server.stop(paths) else "tsbatch: no torchserve was running")
+    return 0
+
+
+def cmd_scale(args) -> int:
+    found = server.scale(args.management, args.name, args.workers, args.max_workers, args.timeout)
+    print(f"tsbatch: {args.name} READY with {len(found)} worker(s)")
     return 0
 
 
@@ -488,7 +509,7 @@ def cmd_export(args) -> int:
 
 
 COMMANDS = {"archive": cmd_archive, "profile": cmd_profile, "tune": cmd_tune, "export": cmd_export,
-            "wait-ready": cmd_wait_ready, "stop": cmd_stop, "config-docs": cmd_config_docs,
+            "wait-ready": cmd_wait_ready, "scale": cmd_scale, "stop": cmd_stop, "config-docs": cmd_config_docs,
             "simulate": cmd_simulate}
 ERRORS = (ArchiveError, ConfigError, server.ServerError, OSError, yaml.YAMLError, TuneError, KServeError,
           ProfileError)

@@ -114,21 +114,55 @@ def workers(management_url: str, name: str) -> list[dict]:
 
 
 def wait_ready(management_url: str, name: str, timeout: float, min_workers: int = 1,
-               log_hint: str = "") -> list[dict]:
-    """Block until `name` has at least min_workers workers and every one is READY."""
+               log_hint: str = "", max_workers: int | None = None) -> list[dict]:
+    """Block until `name` has at least min_workers workers (and at most max_workers, as after a
+    scale-down) and every one is READY."""
     deadline = time.monotonic() + timeout
     last = "no answer from the management API"
     while time.monotonic() < deadline:
         try:
             found = workers(management_url, name)
             states = [w.get("status") for w in found]
-            if len(found) >= min_workers and all(s == "READY" for s in states):
+            counted = min_workers <= len(found) <= (len(found) if max_workers is None else max_workers)
+            if counted and all(s == "READY" for s in states):
                 return found
             last = f"workers {states}"
         except (urllib.error.URLError, OSError, ValueError) as error:
             last = str(error)
         time.sleep(0.5)
     raise ServerError(f"{name} not READY after {timeout:.0f}s ({last}){log_hint}")
+
+
+# TorchServe 0.12's synchronous scale call (`PUT ...&synchronous=true`) waits for the new workers on
+# the Netty event-loop thread that took the call (ApiUtils.updateModelWorkers ends in a blocking
+# future.get()), and that thread also serves every inference connection Netty hands it: one in four
+# with the default four threads of a 2-core machine. Those requests are not even read until every
+# new worker has loaded and warmed (seen: 26 s of warmup, and in a CI run more than the clients'
+# 120 s). So tsbatch scales asynchronously and polls the management API until the workers are READY.
+SCALE_RETRY_MARKERS = ("ConcurrentModification", "Deque full")
+
+
+def scale(management_url: str, name: str, workers: int, max_workers: int | None = None,
+          timeout: float = 600, log_hint: str = "") -> list[dict]:
+    """Scale `name` to `workers` workers (max_worker `max_workers`, default the same) without
+    TorchServe's synchronous mode, then block until it has between the two (TorchServe keeps a
+    count already in that range), all READY.
+    TorchServe 0.12 answers some scale calls under load with 500 (ConcurrentModificationException in
+    WorkLoadManager, or "Deque full" when the control command did not fit the model's queue):
+    those are retried, as an operator would."""
+    most = workers if max_workers is None else max_workers
+    url = f"{management_url}/models/{name}?min_worker={workers}&max_worker={max(most, 1)}&synchronous=false"
+    deadline = time.monotonic() + timeout
+    for attempt in range(6):
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, method="PUT"), timeout=60):
+                break
+        except urllib.error.HTTPError as error:
+            body = error.read().decode(errors="replace")
+            if error.code != 500 or attempt == 5 or not any(m in body for m in SCALE_RETRY_MARKERS):
+                raise ServerError(f"scaling {name} to {workers} worker(s): HTTP {error.code} {body[:300]}") from error
+        time.sleep(3)
+    return wait_ready(management_url, name, max(1.0, deadline - time.monotonic()), workers, log_hint, most)
 
 
 def free_ports(count: int) -> list[int]:
