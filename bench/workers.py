@@ -48,12 +48,7 @@ def build(store: str, name: str, profile: str | None, extra: list[str] = ()) -> 
 
 
 def scale(served: server.Served, name: str, workers: int) -> None:
-    import requests
-
-    response = requests.put(f"{served.management}/models/{name}?min_worker={workers}&max_worker={workers}"
-                            "&synchronous=true", timeout=900)
-    response.raise_for_status()
-    server.wait_ready(served.management, name, 900, min_workers=workers)
+    server.scale(served.management, name, workers, timeout=900)
 
 
 def lone(url: str) -> list[dict]:

@@ -77,17 +77,12 @@ def restore_workers(management: str, model: str, workers: int, timeout: float) -
     stale = worker_pids(management, model)
     left: list[int] = []
     for count in (0, workers):
-        request = urllib.request.Request(
-            f"{management}/models/{model}?min_worker={count}&max_worker={max(count, 1)}&synchronous=true",
-            method="PUT")
-        with urllib.request.urlopen(request, timeout=timeout):
-            pass
+        server.scale(management, model, count, timeout=timeout)
         if count == 0:
             try:
                 wait_until(lambda: not any(alive(pid) for pid in stale), 10, what="scaled-down workers gone")
             except TimeoutError:
                 left = [pid for pid in stale if alive(pid)]
-    server.wait_ready(management, model, timeout)
     return left
 
 

@@ -17,7 +17,6 @@ import signal
 import time
 
 import pytest
-import requests
 
 from tsbatch.archiver import server
 from tsbatch.archiver.package import ArchiveSpec, build_archive
@@ -59,9 +58,7 @@ def unbroken(i: int) -> bytes:
 
 
 def scale(management: str, model: str, low: int, high: int) -> None:
-    response = requests.put(f"{management}/models/{model}?min_worker={low}&max_worker={high}&synchronous=true",
-                            timeout=300)
-    assert response.status_code == 200, response.text
+    server.scale(management, model, low, high, timeout=300)
 
 
 def one_worker(management: str, model: str) -> int:

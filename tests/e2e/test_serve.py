@@ -8,7 +8,6 @@ import re
 import time
 
 import pytest
-import requests
 
 from tsbatch.archiver import server
 from tsbatch.handlers.edge.stages import BATCH_SIZE_HEADER, WORKER_HEADER
@@ -63,11 +62,8 @@ def test_oversized_body_is_refused_by_the_frontend_and_the_worker_lives(torchser
 
 
 def test_scaling_to_two_workers_through_the_management_api(torchserve):
-    url = f"{torchserve.management}/models/minilm"
     try:
-        response = requests.put(f"{url}?min_worker=2&synchronous=true", timeout=300)
-        assert response.status_code == 200, response.text
-        workers = server.wait_ready(torchserve.management, "minilm", timeout=300, min_workers=2)
+        workers = server.scale(torchserve.management, "minilm", 2, 2, timeout=300)
         assert len(workers) == 2 and {w["status"] for w in workers} == {"READY"}
         pids = set()
         deadline = time.monotonic() + 60
@@ -80,7 +76,7 @@ def test_scaling_to_two_workers_through_the_management_api(torchserve):
         warmed = set(re.findall(r"tsbatch warmup done in [\d.]+s by worker pid (\d+)", torchserve.log()))
         assert pids <= warmed, f"workers {pids - warmed} served without warmup"
     finally:
-        requests.put(f"{url}?min_worker=1&max_worker=2&synchronous=true", timeout=300)
+        server.scale(torchserve.management, "minilm", 1, 2, timeout=300)
 
 
 def test_latency_profile_is_in_the_archives_model_directory(torchserve):

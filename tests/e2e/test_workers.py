@@ -46,18 +46,8 @@ def reference(minilm_dir):
 
 
 def scale(served, workers: int) -> None:
-    # TorchServe 0.12's management API answers some scale calls under load with 500
-    # ConcurrentModificationException (WorkLoadManager) or IllegalStateException "Deque full" (the
-    # control command did not fit the model's job queue): an operator retries, so does the test
-    for _ in range(6):
-        response = requests.put(f"{served.management}/models/{NAME}?min_worker={workers}&max_worker={workers}"
-                                "&synchronous=true", timeout=900)
-        if response.status_code != 500 or not any(m in response.text for m in ("ConcurrentModification", "Deque full")):
-            break
-        time.sleep(3)
-    assert response.status_code == 200, response.text
-    server.wait_ready(served.management, NAME, 900, min_workers=workers)
-    wait_until(lambda: len(server.workers(served.management, NAME)) == workers, 120, what=f"{workers} workers")
+    """The README's way: tsbatch scale (TorchServe's management API without its synchronous mode)."""
+    server.scale(served.management, NAME, workers, timeout=900)
 
 
 def lone_requests(served, reference) -> list[tuple[str, float, float]]:
@@ -158,13 +148,21 @@ def under_load(url: str, rate: float = 6.0):
 def test_scaling_one_to_three_to_one_under_load_answers_every_request(shipped):
     scale(shipped, 1)
     with under_load(f"{shipped.inference}/predictions/{NAME}") as shots:
+        up = time.monotonic()
         scale(shipped, 3)
+        up_done = time.monotonic()
         time.sleep(3)
         down = time.monotonic()
         scale(shipped, 1)
         down_done = time.monotonic()
         time.sleep(3)
     assert len(shots) > 30
+    # TorchServe 0.12's synchronous scale call holds a Netty thread until the new workers are warm, and
+    # the inference connections on that thread wait unread (every fourth here): scaled the README's
+    # way, none waits for the scale-up (seconds of warmup) while the archive's deadline is about 1 s
+    stalled = [s for s in shots if up <= s.sent < up_done and (s.latency or 0) > 10]
+    assert not stalled, (f"{len(stalled)} requests sent during a {up_done - up:.0f} s scale-up waited > 10 s "
+                         f"(tag, seconds): {[(s.tag, round(s.latency, 1)) for s in stalled]}")
     # TorchServe 0.12's scale-down races with a stopping worker's thread: WorkerThread.shutdown()
     # re-queues the jobs it holds while the interrupted thread fails or clears the same unsynchronised
     # map, so a request that reached a stopping worker in that instant can get no answer at all (seen
