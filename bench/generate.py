@@ -111,9 +111,7 @@ class Run:
                 tried.append(point)
                 if mix.saturated(point, self.args.target_ms):
                     break
-            best = max(tried, key=lambda p: p["output_tokens_per_s"])
-            out[arm] = {"output_tokens_per_s": best["output_tokens_per_s"], "saturated": mix.saturated(best, self.args.target_ms),
-                        "offered_rates": [p["offered_rate"] for p in tried]}
+            out[arm] = mix.saturation_row(tried, self.args.target_ms)
         return out
 
 

@@ -194,6 +194,16 @@ def pooled_answers(windows: list[list[Answer]]) -> list[Answer]:
     return [a for w in windows for a in w]
 
 
+def saturation_row(tried: list[dict], target_ms: float) -> dict:
+    """An arm's saturation windows (rates rising) as the report's row: its best output tokens/s, and
+    whether any window saturated it. The best window is often an earlier, lighter one, so its own
+    state says nothing about whether the sweep reached the arm's limit."""
+    best = max(tried, key=lambda p: p["output_tokens_per_s"])
+    return {"output_tokens_per_s": best["output_tokens_per_s"],
+            "saturated": any(saturated(p, target_ms) for p in tried),
+            "offered_rates": [p["offered_rate"] for p in tried]}
+
+
 def next_rates(start: float, factor: float, count: int) -> list[float]:
     """A geometric sweep: `count` rates from `start`, each `factor` times the last (rounded to 0.1)."""
     return [round(start * factor ** i, 1) for i in range(count)]

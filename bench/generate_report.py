@@ -51,7 +51,7 @@ def markdown(r: dict, checks: list) -> str:
               f"Each arm at {a['saturation_factor']:g}x (a)'s capacity for {a['saturation_seconds']:g} s (whole answers), "
               "doubled (up to twice) while an arm is not saturated (saturated: it loses or refuses requests, or answers "
               "under 85% of the offered rate); tokens of complete answers over the busy period (the window's start "
-              "to its last answer). The best window counts.", "",
+              "to its last answer). The best window counts; saturated says whether any window saturated the arm.", "",
               "| arm | output tokens/s | saturated | offered req/s |", "|---|---|---|---|"]
     for arm, s in r["saturation"].items():
         lines.append(f"| {arm} | **{s['output_tokens_per_s']:.0f}** | {'yes' if s['saturated'] else 'no'} | "

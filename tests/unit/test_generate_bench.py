@@ -131,3 +131,15 @@ def test_tally_counts_streamed_and_whole_comparisons_apart():
                answer(mix.Ask(9, "z", 1, 8), whole("q", 8))], {0: ALONE})
     assert (tally.compared, tally.stream_compared, tally.whole_compared, tally.differ) == (3, 1, 2, 1)
     assert (tally.lost, tally.refused) == (1, 1) and tally.first_differ[0].startswith("differs")
+
+
+def test_a_saturation_row_says_saturated_when_any_window_was_not_only_the_best():
+    """The engine's best tokens/s came from a lighter window while a heavier one refused requests:
+    the row must still say the sweep saturated it (the 12-03 report said 'no')."""
+    fine = mix.summarize([answer(ASK, whole("a b c", 3), done=0.3) for _ in range(10)], 5.0, 2.0, {0: ALONE})
+    slow = mix.summarize([answer(ASK, whole("a", 1), done=1.0 + i) for i in range(10)], 10.0, 2.0, {0: ALONE})
+    assert fine["output_tokens_per_s"] > slow["output_tokens_per_s"] and mix.saturated(slow, 4000)
+    row = mix.saturation_row([fine, slow], 4000)
+    assert row["output_tokens_per_s"] == fine["output_tokens_per_s"] and row["saturated"]
+    assert row["offered_rates"] == [5.0, 10.0]
+    assert not mix.saturation_row([fine], 4000)["saturated"]
