@@ -8,6 +8,7 @@ import json
 import os
 import random
 import threading
+import time
 
 import pytest
 import torch
@@ -448,15 +449,27 @@ def test_the_handler_answers_each_request_as_alone_while_others_join_and_streams
     asks = [(text, new) for text, new in zip(TEXTS, (8, 30, 5, 20))]
     expected = [alone(runner, runner.encode(text), new) for text, new in asks]
     batches, decode = [], handler.runner.decode
-    handler.runner.decode = lambda rows: batches.append(len(rows)) or decode(rows)  # watch the steps
+
+    def watched(rows):  # watch the steps; each costs at least 10 ms, as a real model's would
+        batches.append(len(rows))
+        time.sleep(0.01)
+        return decode(rows)
+
+    handler.runner.decode = watched
 
     async def clients():
         calls = []
         for i, (text, new) in enumerate(asks):
+            steps = len(batches)
             calls.append(asyncio.ensure_future(frontend.ask(f"whole-{i}", {"text": text, "max_new_tokens": new})))
             calls.append(asyncio.ensure_future(frontend.ask(f"stream-{i}", {"text": text, "max_new_tokens": new,
                                                                             "stream": True})))
-            await asyncio.sleep(0.01)  # later ones join while earlier ones decode
+            # the next pair joins once this one is decoding (not after a fixed sleep: the tiny model
+            # can finish a short ask within it), while the 30-token ask still has ~300 ms to go
+            for _ in range(5000):
+                if len(batches) > steps + 1:
+                    break
+                await asyncio.sleep(0.001)
         await asyncio.gather(*calls)
 
     asyncio.run(clients())
