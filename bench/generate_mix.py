@@ -14,7 +14,7 @@ import random
 from dataclasses import dataclass, field
 
 from bench.loadtest.stats import percentile
-from bench.loadtest.sweep import capacity, passes, saturated  # noqa: F401 - the project's rules, re-exported
+from bench.loadtest.sweep import capacity, passes, saturated, saturation_row  # noqa: F401 - the project's rules, re-exported
 from bench.loadtest.workload import WORDS
 
 PROMPT_TOKENS = (8, 400)
@@ -192,16 +192,6 @@ def _counts(items) -> dict[str, int]:
 
 def pooled_answers(windows: list[list[Answer]]) -> list[Answer]:
     return [a for w in windows for a in w]
-
-
-def saturation_row(tried: list[dict], target_ms: float) -> dict:
-    """An arm's saturation windows (rates rising) as the report's row: its best output tokens/s, and
-    whether any window saturated it. The best window is often an earlier, lighter one, so its own
-    state says nothing about whether the sweep reached the arm's limit."""
-    best = max(tried, key=lambda p: p["output_tokens_per_s"])
-    return {"output_tokens_per_s": best["output_tokens_per_s"],
-            "saturated": any(saturated(p, target_ms) for p in tried),
-            "offered_rates": [p["offered_rate"] for p in tried]}
 
 
 def next_rates(start: float, factor: float, count: int) -> list[float]:

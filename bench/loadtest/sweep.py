@@ -35,6 +35,16 @@ def saturated(point: dict, target_ms: float) -> bool:
             or point["throughput"] < 0.85 * point["sent_rate"])
 
 
+def saturation_row(tried: list[dict], target_ms: float) -> dict:
+    """An arm's saturation windows (rates rising) as the report's row: its best output tokens/s, and
+    whether any window saturated it. The best window is often an earlier, lighter one, so its own
+    state says nothing about whether the sweep reached the arm's limit."""
+    best = max(tried, key=lambda p: p["output_tokens_per_s"])
+    return {"output_tokens_per_s": best["output_tokens_per_s"],
+            "saturated": any(saturated(p, target_ms) for p in tried),
+            "offered_rates": [p["offered_rate"] for p in tried]}
+
+
 def capacity(points: list[dict], target_ms: float) -> float:
     """The highest offered rate below the first one that misses the target (points in rising order;
     a missed rate measured again passes if its second window does: see confirm). Not the highest
