@@ -280,14 +280,19 @@ def _export_parser(sub) -> None:
     _frontend_args(export)
 
 
+def _served_model_args(parser) -> None:
+    """The running model a command talks to: its management API and its name."""
+    parser.add_argument("--management", default="http://127.0.0.1:8081", help="management API address")
+    parser.add_argument("--name", default="minilm", help="model name")
+
+
 def _ready_parser(sub) -> None:
     ready = sub.add_parser(
         "wait-ready",
         help="wait until every worker of a model is READY on the management API",
         description="Exit 0 once NAME has at least --workers workers, all READY; non-zero on timeout.",
     )
-    ready.add_argument("--management", default="http://127.0.0.1:8081", help="management API address")
-    ready.add_argument("--name", default="minilm", help="model name")
+    _served_model_args(ready)
     ready.add_argument("--workers", type=int, default=1, help="workers that must be READY")
     ready.add_argument("--timeout", type=float, default=600, help="seconds to wait (default 600)")
     ready.add_argument("--log", default="", help="log file to point at when it fails")
@@ -299,10 +304,9 @@ def _scale_parser(sub) -> None:
         help="scale a model's workers through the management API and wait until they are all READY",
         description="PUT /models/NAME?min_worker=N without TorchServe's synchronous mode (whose blocking "
         "call stalls a share of the inference connections until the new workers are warm), then wait "
-        "until NAME has exactly N workers, all READY.",
+        "until NAME has between --workers and --max-workers workers, all READY.",
     )
-    scale.add_argument("--management", default="http://127.0.0.1:8081", help="management API address")
-    scale.add_argument("--name", default="minilm", help="model name")
+    _served_model_args(scale)
     scale.add_argument("--workers", type=int, required=True, help="workers to run (min_worker)")
     scale.add_argument("--max-workers", type=int, default=None, help="max_worker (default: --workers)")
     scale.add_argument("--timeout", type=float, default=600, help="seconds to wait (default 600)")

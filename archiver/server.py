@@ -123,7 +123,7 @@ def wait_ready(management_url: str, name: str, timeout: float, min_workers: int 
         try:
             found = workers(management_url, name)
             states = [w.get("status") for w in found]
-            counted = min_workers <= len(found) <= (len(found) if max_workers is None else max_workers)
+            counted = len(found) >= min_workers and (max_workers is None or len(found) <= max_workers)
             if counted and all(s == "READY" for s in states):
                 return found
             last = f"workers {states}"
