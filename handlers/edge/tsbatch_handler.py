@@ -89,8 +89,8 @@ class TsbatchHandler:
             metrics.warmup(profile)
         for bucket in w.edges:  # every bucket's cap, learned from out of memory or not
             metrics.cap(bucket, 0 if bucket in w.unfit else w.cap_for(bucket))
+        self.mode = make_mode(mode, w, lanes)  # its lanes, if any, warm on their own threads first
         model.ready()
-        self.mode = make_mode(mode, w, lanes)
         siblings.in_call(False)  # ready: from now on this worker polls for requests between calls
         if config.fault_injection.enabled:
             logger.warning("fault injection is ON: %s", config.fault_injection)

@@ -58,15 +58,20 @@ class Lanes:
         self.stopping = False  # guarded by cond
         self.threads = [threading.Thread(target=self._lane, args=(i,), name=f"tsbatch-lane-{i}", daemon=True)
                         for i in range(len(policy.lanes))]
+        self._started = [threading.Event() for _ in self.threads]
 
     @property
     def buckets(self) -> list[tuple]:
         """The buckets each lane owns."""
         return [state.buckets for state in self.policy.lanes]
 
-    def start(self) -> "Lanes":
+    def start(self, timeout: float | None = None) -> "Lanes":
+        """Start every lane and return once each has run `on_lane_start` (its threads, its warm
+        passes), so a worker is READY only with its lanes ready."""
         for thread in self.threads:
             thread.start()
+        for started in self._started:
+            started.wait(timeout)
         return self
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -94,7 +99,12 @@ class Lanes:
             return self.policy.busy
 
     def _lane(self, index: int) -> None:
-        self.on_lane_start(index)
+        try:
+            self.on_lane_start(index)
+        except Exception:  # noqa: BLE001 - a lane that could not warm still serves
+            logger.exception("tsbatch lane %s: start failed", index)
+        finally:
+            self._started[index].set()
         while not self.stopping:
             try:
                 self._step(index)

@@ -80,6 +80,16 @@ def warm_up(model, config, edges, sizes_for: Callable[[int], tuple[int, ...]], l
     return profile
 
 
+def warm_lane(model, forward: Callable, buckets, repeats: int = 2) -> None:
+    """Run each of a lane's buckets at batch 1 on the lane's own thread, before READY. warm_up ran
+    every shape on the handler's thread; a lane thread's first passes still pay for what is its
+    own (its OpenMP team, its allocator arena): the first request of each length after READY took
+    1.3-1.5x its steady pass here until lanes warmed themselves."""
+    for _ in range(repeats):
+        for bucket in buckets:
+            forward(example_batch(model, 1, bucket))
+
+
 def borrowed_threads(config, lanes) -> int | None:
     """All the worker's lanes' threads together, where `borrow_cores` lets one pass use them and
     there is more than one lane to borrow from (None: warmup times the lanes' own threads only)."""

@@ -5,6 +5,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 
 import pytest
 
@@ -71,3 +72,31 @@ def test_serving_after_warmup_works(warmed):
     handler, context, _dir, _records = warmed
     replies = call(handler, context, ["a short one", "word " * 100])
     assert [r.status for r in replies] == [200, 200]
+
+
+def test_each_lane_warms_its_buckets_on_its_own_thread_before_ready(minilm_dir, monkeypatch):
+    """warmup runs every shape on the handler's thread; a lane thread's first passes would still
+    pay for its own OpenMP team and allocator arena. So before initialize returns (READY), each
+    lane has run each of its buckets at batch 1 on its own thread, and passes after READY add none."""
+    from tsbatch.handlers.models.encoder import EncoderModel
+    from tests.support import load_handler
+
+    passes = []
+    own_forward = EncoderModel.forward
+
+    def recorded(self, batch):
+        passes.append((threading.current_thread().name, batch.size, batch.bucket))
+        return own_forward(self, batch)
+
+    monkeypatch.setattr(EncoderModel, "forward", recorded)
+    handler, _context = load_handler(minilm_dir, frontend={"continuousBatching": True, "batchSize": 8},
+                                     buckets=[16, 64, 256], max_batch_size=2, long_lane_from=128, warmup=True,
+                                     warmup_repeats=1, warmup_max_repeats=2)
+    try:
+        at_ready = list(passes)
+        on_lanes = {(name, bucket) for name, size, bucket in at_ready if name.startswith("tsbatch-lane") and size == 1}
+        assert on_lanes == {("tsbatch-lane-0", 16), ("tsbatch-lane-0", 64), ("tsbatch-lane-1", 256)}
+        assert {bucket for name, _, bucket in at_ready if not name.startswith("tsbatch-lane")} == {16, 64, 256}
+    finally:
+        handler.close()
+    assert passes == at_ready  # nothing ran on its own after READY

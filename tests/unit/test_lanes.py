@@ -716,3 +716,29 @@ def test_a_lane_switches_its_threads_before_a_pass_the_policy_gave_more_and_back
         engine.stop(WAIT)
     assert [b.bucket for b in isolator.calls] == [256, 256, 128]
     assert switched == [(1, 2, 0), (1, 1, 2)]  # once to 2 before the first pass, back to 1 for the 128 pass
+
+
+def test_start_returns_once_each_lane_has_run_its_start_on_its_own_thread_and_a_failed_start_still_serves():
+    """A worker goes READY when initialize returns: its lanes' warm passes (on_lane_start) must be
+    over by then, each on its own lane thread. A start that raised leaves a lane that serves."""
+    ran = []
+
+    def on_lane_start(index: int) -> None:
+        time.sleep(0.05)  # a warm pass: longer than starting a thread
+        ran.append((index, threading.current_thread().name))
+        if index == 0:
+            raise RuntimeError("a warm pass failed")
+
+    isolator, deliveries = FakeIsolator(), Deliveries()
+    engine = Lanes(make_scheduler(policy(), lanes=[(16, 32, 64), (128, 256)]), isolator, on_answer=deliveries,
+                   on_lane_start=on_lane_start).start()
+    try:
+        assert sorted(ran) == [(0, "tsbatch-lane-0"), (1, "tsbatch-lane-1")]
+        short, long = ticket(16), ticket(256)
+        engine.submit([short])
+        engine.submit([long])
+        assert deliveries.wait_count(2)
+        assert deliveries.of(short)[0] == {"text": short.item.text}
+        assert deliveries.of(long)[0] == {"text": long.item.text}
+    finally:
+        engine.stop(WAIT)

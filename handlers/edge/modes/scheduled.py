@@ -14,6 +14,7 @@ from tsbatch.handlers.core.reply import Answer, Reply
 from tsbatch.handlers.edge import socket_guard
 from tsbatch.handlers.edge.stages import PRIORITY_HEADER, Call, client_deadline, request_headers
 from tsbatch.handlers.runtime.lanes import Lanes
+from tsbatch.handlers.runtime.warming import borrowed_threads, warm_lane
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +83,14 @@ class ScheduledMode:
         self.worker.after_batch(batch, report)
 
     def _on_lane_start(self, index: int) -> None:
-        self._use_threads(index, self.lanes[index][1])
+        """On the lane's own thread, before READY: its warm passes, on every thread count the policy
+        may give it (all the lanes' with borrow_cores), ending on its own."""
+        w, (buckets, threads) = self.worker, self.lanes[index]
+        wide = borrowed_threads(w.config, self.lanes)
+        for count in ([wide] if wide else []) + [threads]:
+            self._use_threads(index, count)
+            if w.config.warmup:
+                warm_lane(w.model, w.forward, [b for b in buckets if b in w.edges and b not in w.unfit])
 
     def _use_threads(self, index: int, threads: int) -> None:
         self.worker.model.use_threads(threads, background=index > 0)
