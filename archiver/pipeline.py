@@ -7,7 +7,7 @@ only step that loads torch (archiver.measure, imported when a profile is taken).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
 
 import yaml
@@ -15,6 +15,7 @@ import yaml
 from tsbatch.archiver import kserve
 from tsbatch.archiver.package import ArchiveError, ArchiveSpec, build_archive, check_model_dir, entry_for
 from tsbatch.archiver.properties import (
+    LOOPBACK,
     ServerSettings,
     install_metrics_config,
     install_log_config,
@@ -154,6 +155,7 @@ def profile_here(model_dir: str, name: str, section: Mapping[str, Any], mode: st
     use_gpu = str(device).startswith("cuda") or (device == "auto" and machine.gpus > 0)
     handler = dict(section)
     handler["warmup"] = handler.get("warmup", True)
+    handler.pop("frontend_warmup", None)  # no TorchServe here to send it to
     if generation:
         mode = MODE
     if "torch_threads" not in handler:
@@ -326,6 +328,17 @@ def _archive_generation(request: Request, out: str, settings: Mapping[str, Any],
     return Built(properties, config, mar, tuning=tuning, profile_path=kept)
 
 
+def warming_the_frontend(request: Request, settings: Mapping[str, Any]) -> Request:
+    """The request with handler.frontend_warmup set to the inference address config.properties
+    names, so each worker sends one request through the frontend as it goes READY
+    (handlers/edge/frontend_warmup.py); not where the user set it, nor with token authorization
+    (the worker holds no key)."""
+    if "frontend_warmup" in request.section or settings.get("token_auth"):
+        return request
+    port = settings.get("inference_port") or ServerSettings.inference_port
+    return replace(request, section={**request.section, "frontend_warmup": f"http://{LOOPBACK}:{port}"})
+
+
 def _write_properties(out: str, request: Request, settings: Mapping[str, Any], tuned=()) -> str:
     properties = os.path.join(out, "config.properties")
     _write(properties, render_properties(ServerSettings(model_store=out, load_models=(f"{request.name}.mar",),
@@ -341,6 +354,7 @@ def archive(request: Request, out: str, settings: Mapping[str, Any], profile_pat
     if is_generation(request):
         return _archive_generation(request, out, settings, profile_path, no_tune, progress)
     if no_tune:
+        request = warming_the_frontend(request, settings)
         queue_cap = HandlerConfig.from_yaml(request.section).queue_cap
         config = model_config(request.section, {**frontend_keys(request.mode, queue_cap), **request.overrides},
                               request.model_section)
@@ -348,6 +362,7 @@ def archive(request: Request, out: str, settings: Mapping[str, Any], profile_pat
         return Built(_write_properties(out, request, settings), config, mar)
     profile = _obtain_profile(request, profile_path, progress)
     tuning, source = tune_for(request, profile)
+    request = warming_the_frontend(request, settings)
     config, text = tuned_config(request, tuning, profile_header(request, tuning, profile, source))
     kept = _profile_file(profile, out, request.name)
     mar = build_archive(_spec(request, config, out, text, kept), progress)
@@ -367,6 +382,7 @@ def export_kserve(request: Request, out: str, storage_uri: str | None = None, pr
     # the shipped archive does: continuous mode, tsbatch's scheduler
     mode = frontend_keys("continuous")
     if no_tune:
+        request = warming_the_frontend(request, {"inference_port": kserve.TS_PORT})  # the pod's TorchServe
         config = model_config(request.section, {**mode, **request.overrides}, request.model_section)
         mar = build_archive(_spec(request, config, store), progress)
         tuned, profile_file = (), None
@@ -375,6 +391,7 @@ def export_kserve(request: Request, out: str, storage_uri: str | None = None, pr
     else:
         profile = _obtain_profile(request, profile_path, progress)
         tuning, source = tune_for(request, profile, mode="continuous")
+        request = warming_the_frontend(request, {"inference_port": kserve.TS_PORT})
         config, text = tuned_config(request, tuning, profile_header(request, tuning, profile, source))
         profile_file = _profile_file(profile, out, request.name)
         mar = build_archive(_spec(request, config, store, text, profile_file), progress)
@@ -424,6 +441,7 @@ def tune_to(request: Request, profile_path: str, out: str, settings: Mapping[str
     else:
         profile = load_profile(profile_path)
         tuning, source = tune_for(request, profile)
+        request = warming_the_frontend(request, settings)
         config, text = tuned_config(request, tuning, profile_header(request, tuning, profile, source))
     os.makedirs(out, exist_ok=True)
     config_path = os.path.join(out, "model-config.yaml")

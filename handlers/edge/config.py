@@ -190,6 +190,16 @@ def _model_section(label: str, value: Any) -> Mapping[str, Any]:
     return MappingProxyType(copy.deepcopy(dict(value)))  # the model's own copy: YAML's dicts stay the caller's
 
 
+def _loopback_address(label: str, value: Any) -> str:
+    """http://HOST:PORT with a loopback HOST: the worker sends to it, so never off this host."""
+    address = _str(label, value).rstrip("/")
+    match = re.fullmatch(r"http://(127\.\d+\.\d+\.\d+|localhost|\[::1\]):(\d{1,5})", address)
+    if not match or not 0 < int(match.group(2)) < 65536:
+        raise ConfigError(f"{label} must be TorchServe's inference address on loopback, such as "
+                          f"http://127.0.0.1:8080, got {value!r}")
+    return address
+
+
 POSITIVE_INT = Check("positive integer", _positive_int)
 BOOL = Check("`true` or `false`", _bool)
 STRING = Check("string", _str)
@@ -200,6 +210,7 @@ BATCH_CAPS = Check("mapping of bucket (`16`, or `\"32x16\"` for two sizes) to po
 MEMORY_BUDGET = Check("fraction of the device (0 < f <= 1), bytes, or a size such as `\"50GB\"`", _memory_budget)
 FAULT_INJECTION = Check("mapping (`handler.fault_injection` below)", _fault_injection)
 MODEL_SECTION = Check("mapping of your model's own keys", _model_section)
+LOOPBACK_ADDRESS = Check("`http://127.0.0.1:PORT` (a loopback address)", _loopback_address)
 
 
 # -- declaring a key, and reading a section by its declared keys
@@ -378,6 +389,12 @@ class HandlerConfig:
     warmup_repeats: int = setting(3, "timed passes per shape at warmup, at least", POSITIVE_INT)
     warmup_max_repeats: int = setting(6, "timed passes per shape at most, until two agree within 10% (at least "
                                          "warmup_repeats)", POSITIVE_INT)
+    frontend_warmup: str | None = setting(None, "TorchServe's inference address: as the worker goes READY it sends "
+                                                "this model three short requests through the frontend, so the "
+                                                "frontend's and the handler's first-request costs fall on them, not "
+                                                "on a client (the metrics count them); `tsbatch archive` sets it "
+                                                "from config.properties (not with token authorization)",
+                                          optional(LOOPBACK_ADDRESS, "no such request"))
     compile: bool = setting(False, "torch.compile with static shapes; warmup compiles every shape before READY",
                             BOOL, encoder_only=True)
     trace: bool = setting(True, "run a TorchScript trace of the model, kept only if it answers exactly as eager; "

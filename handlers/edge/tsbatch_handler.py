@@ -19,6 +19,7 @@ from tsbatch.handlers.api import Model, device_type
 from tsbatch.handlers.core.buckets import Bucket
 from tsbatch.handlers.core.isolate import Isolator
 from tsbatch.handlers.core.policy import lane_threads, split_lanes
+from tsbatch.handlers.edge import frontend_warmup
 from tsbatch.handlers.edge.config import HandlerConfig
 from tsbatch.handlers.edge.metrics import Metrics
 from tsbatch.handlers.edge.modes import make_mode, serving_mode
@@ -97,6 +98,8 @@ class TsbatchHandler:
         logger.info("tsbatch loaded %s mode=%s buckets=%s max_batch_tokens=%d %s in %.1fs",
                     type(model).__name__, mode, list(w.edges), config.max_batch_tokens, model.describe(),
                     time.monotonic() - started)
+        if config.frontend_warmup:  # queued in the frontend until READY: pays its first-request costs
+            frontend_warmup.send(config.frontend_warmup, context.model_name)
         self.initialized = True
 
     def handle(self, data: list, context):

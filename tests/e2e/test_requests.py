@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 
 import pytest
 
@@ -190,3 +191,14 @@ def test_kserve_v2_tensor_of_texts_is_answered_in_the_open_inference_protocol(ks
     bad = post(f"{kserve_pod}/v2/models/{NAME}/infer",
                {"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [1.0]}]}, "application/json")
     assert bad.status == 400 and "BYTES" in bad.body["error"]
+
+
+def test_the_shipped_worker_warms_the_frontend_through_its_inference_address(shipped):
+    """tsbatch archive sets handler.frontend_warmup to config.properties' inference address: as the
+    worker goes READY it sends itself three requests through the frontend, and all are answered."""
+    url = f"{shipped.inference}/predictions/{NAME}"
+    deadline = time.monotonic() + 60
+    while "tsbatch frontend warmup" not in shipped.log() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    lines = [line for line in shipped.log().splitlines() if "tsbatch frontend warmup" in line]
+    assert len(lines) == 1 and f"{url} answered [200, 200, 200]" in lines[0], lines
