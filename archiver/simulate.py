@@ -464,7 +464,9 @@ class TsbatchWorker:
                 if plan.wait is not None:
                     self.wakes[lane] += 1
                     wake = self.wakes[lane]
-                    self.sim.at(self.sim.now + plan.wait, lambda: self._wake(lane, wake))
+                    # the clock must move: a wait of 0 would ask again at this instant forever
+                    when = max(self.sim.now + plan.wait, math.nextafter(self.sim.now, math.inf))
+                    self.sim.at(when, lambda: self._wake(lane, wake))
                 return
             self.policy.finished(plan, self.sim.now)  # only 504s: the lane asks again
 

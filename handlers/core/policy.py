@@ -321,10 +321,11 @@ class Policy:
         for bucket, queue in self.queues.items():
             if not any(t.deadline is not None for t in queue):
                 continue
-            finish = now + self._lead(bucket, len(queue))
+            lead = self._lead(bucket, len(queue))
             keep = []
-            for ticket in queue:
-                (expired if ticket.deadline is not None and finish >= ticket.deadline else keep).append(ticket)
+            for ticket in queue:  # the instant time_until_ready waits for, computed alike: in floats now + lead
+                # could fall short of a deadline that deadline - lead - now reaches, a wait of 0 forever
+                (expired if ticket.deadline is not None and now >= ticket.deadline - lead else keep).append(ticket)
             self.queues[bucket] = keep
         return expired
 

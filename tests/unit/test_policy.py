@@ -8,6 +8,7 @@ age bound, so each test exercises one rule at a time.
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 
@@ -393,6 +394,29 @@ def test_expire_charges_the_pass_the_queue_would_form_not_the_cap():
     crowd = [ticket(256, deadline=1.0) for _ in range(11)]  # 12 queued: a pass of 12 takes 1.2 s
     s.submit_all(crowd)
     assert sorted(ids(s.expire(0.0))) == sorted(ids([alone, *crowd]))
+
+
+@pytest.mark.parametrize("now, lead, deadline", [
+    (14.342575945131959, 0.266775, None),  # where tsbatch export spun forever on a CI machine's profile
+    (1.3968866394505475, 0.1906488652291506, 1.5875355046796982),
+    (8.332131564958335, 0.42076526274605275, 8.752896827704388),
+])
+def test_a_ticket_is_expired_at_the_instant_a_lane_is_woken_for_it(now, lead, deadline):
+    """In floats `now + lead < deadline` can hold while `deadline - lead - now` is 0.0: expire kept
+    the ticket and time_until_ready answered 0, so a lane (and the simulator, whose clock then never
+    moves) asked again at once, forever. Both now read one instant, deadline - lead."""
+    if deadline is None:  # the first float past now + lead whose difference rounds to 0
+        deadline = now + lead
+        while not (now + lead < deadline and deadline - lead - now <= 0):
+            deadline = math.nextafter(deadline, math.inf)
+            assert deadline - now - lead < 1e-9, "no such deadline near now + lead"
+    assert now + lead < deadline and deadline - lead - now <= 0  # the case, as floats have it
+    s = make_scheduler(policy(max_wait=5.0), cost=CostModel(p90=lambda *, bucket, size: lead))
+    t = ticket(256, deadline=deadline)
+    s.submit_all([t])
+    expired = s.expire(now)
+    wait = s.time_until_ready(now)
+    assert ids(expired) == ids([t]) or (wait is not None and now + wait > now)
 
 
 def test_time_until_ready_wakes_a_lane_when_a_ticket_must_expire_not_at_its_deadline():
