@@ -330,7 +330,7 @@ def _archive_generation(request: Request, out: str, settings: Mapping[str, Any],
 
 def warming_the_frontend(request: Request, settings: Mapping[str, Any]) -> Request:
     """The request with handler.frontend_warmup set to the inference address config.properties
-    names, so each worker sends one request through the frontend as it goes READY
+    names, so each worker sends its few warm requests through the frontend as it goes READY
     (handlers/edge/frontend_warmup.py); not where the user set it, nor with token authorization
     (the worker holds no key)."""
     if "frontend_warmup" in request.section or settings.get("token_auth"):
