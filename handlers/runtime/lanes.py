@@ -65,13 +65,13 @@ class Lanes:
         """The buckets each lane owns."""
         return [state.buckets for state in self.policy.lanes]
 
-    def start(self, timeout: float | None = None) -> "Lanes":
+    def start(self) -> "Lanes":
         """Start every lane and return once each has run `on_lane_start` (its threads, its warm
         passes), so a worker is READY only with its lanes ready."""
         for thread in self.threads:
             thread.start()
         for started in self._started:
-            started.wait(timeout)
+            started.wait()
         return self
 
     def stop(self, timeout: float = 30.0) -> None:
