@@ -6,7 +6,7 @@ Three calls, made under the lanes' lock (handlers/runtime/lanes.py), the simulat
 (archiver/simulate.py) or a test, with the time passed in:
 
 - `admit(tickets, now)` queues one request's tickets whole, or refuses them (Overloaded, 503):
-  the worker's queue is full, or its lane would run it past its deadline.
+  its lane's queue is full, or its lane would run it past its deadline.
 - `schedule(lane, now)` returns that lane's Plan: the tickets to answer 504 now (they can no longer
   finish in time) and the batch to run, or how long to wait. Read top to bottom it says: expire,
   then the lane's own buckets, then help a busy earlier lane, then take over from a later lane that
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
@@ -83,7 +83,7 @@ class Ticket:
 class PolicySettings:
     edges: tuple[Bucket, ...]
     max_wait: float  # seconds the oldest request of a bucket may hold for company, at most
-    queue_cap: int  # texts waiting in this worker, all buckets together
+    queue_cap: int  # texts waiting for one lane, all its buckets together
     age_bound: float  # seconds after which a bucket's oldest request jumps the shortest-first order
     priority_aging: float  # seconds of waiting that raise a request by one priority class
     borrow_cores: bool = False  # a pass may run on every lane's threads while the other lanes idle
@@ -202,13 +202,17 @@ class Policy:
         self.submit_all(tickets)
 
     def submit_all(self, tickets: Sequence[Ticket]) -> None:
-        """Queue tickets, or none of them when they would pass the worker's queue cap (which counts
-        texts): raise Overloaded."""
-        if len(self) + len(tickets) > self.settings.queue_cap:
-            raise Overloaded(
-                f"this worker has {len(self)} texts waiting (cap {self.settings.queue_cap}"
-                + (f", this request has {len(tickets)}" if len(tickets) > 1 else "") + "): retry shortly"
-            )
+        """Queue tickets, or none of them when they would pass a lane's queue cap (which counts
+        texts): raise Overloaded. The cap is each lane's, so a backlog of long requests never
+        refuses short ones their own lane would serve at once."""
+        joining = Counter(self.owner.get(ticket.item.bucket, 0) for ticket in tickets)
+        for lane, n in sorted(joining.items()):
+            waiting = sum(len(self.queues[b]) for b in self.lanes[lane].buckets)
+            if waiting + n > self.settings.queue_cap:
+                raise Overloaded(
+                    f"this worker has {waiting} texts of this length waiting (cap {self.settings.queue_cap}"
+                    + (f", this request has {n}" if n > 1 else "") + "): retry shortly"
+                )
         for ticket in tickets:
             self.queues[ticket.item.bucket].append(ticket)
         for bucket in {ticket.item.bucket for ticket in tickets}:

@@ -360,8 +360,9 @@ class HandlerConfig:
                            POSITIVE_INT, modes=("continuous",))
     max_call_ms: int = setting(100, "with sibling workers: the work one call that found a backlog may take in per "
                                     "lane; the rest get 503 with Retry-After", POSITIVE_INT, modes=("continuous",))
-    queue_cap: int = setting(64, "texts waiting in one worker (a request of several counts each); past it 503 with "
-                                 "Retry-After", POSITIVE_INT, modes=SCHEDULER_MODES)
+    queue_cap: int = setting(64, "texts waiting for one lane of a worker (a request of several counts each; "
+                                 "short and long lanes each have their own, so a long backlog never refuses short "
+                                 "requests); past it 503 with Retry-After", POSITIVE_INT, modes=SCHEDULER_MODES)
     max_texts_per_request: int = setting(32, "most texts in one request (`{\"text\": [...]}`, KServe instances); "
                                              "more: 413", POSITIVE_INT)
     max_tokens_per_request: int = setting(8192, "most tokens of one request's texts together; more: 413", POSITIVE_INT)

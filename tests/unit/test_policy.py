@@ -483,6 +483,35 @@ def test_queue_cap_raises_overloaded_and_accepts_again_after_a_batch():
         s.submit_all([ticket(32)])
 
 
+def test_queue_cap_counts_each_lane_alone_so_a_long_backlog_never_refuses_short_requests():
+    lanes = [(16, 32, 64), (128, 256)]
+    s = Policy(policy(queue_cap=3), lambda bucket: batch_cap(bucket, TOKENS), lanes=lanes)
+    for _ in range(3):
+        s.submit_all([ticket(256)])
+    with pytest.raises(Overloaded) as caught:
+        s.submit_all([ticket(128)])  # the long lane's cap is reached
+    assert "3 texts of this length waiting (cap 3)" in caught.value.message
+    for edge in (16, 32, 64):
+        s.submit_all([ticket(edge)])  # the short lane has its own
+    with pytest.raises(Overloaded):
+        s.submit_all([ticket(16)])
+    assert len(s) == 6
+
+
+def test_a_request_of_several_texts_is_refused_whole_when_one_of_its_lanes_is_full():
+    s = Policy(policy(queue_cap=2), lambda bucket: batch_cap(bucket, TOKENS), lanes=[(16, 32, 64), (128, 256)])
+    s.submit_all([ticket(256), ticket(256)])
+    with pytest.raises(Overloaded) as caught:
+        s.submit_all([ticket(16), ticket(128)])
+    assert "this request has" not in caught.value.message  # one of its texts is over the long lane's cap
+    assert len(s) == 2
+    s.submit_all([ticket(16), ticket(32)])
+    with pytest.raises(Overloaded) as caught:
+        s.submit_all([ticket(16), ticket(64)])
+    assert "this request has 2" in caught.value.message
+    assert len(s) == 4
+
+
 # -- Priority.parse ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize(
