@@ -11,7 +11,7 @@ from tsbatch.archiver import pipeline, server
 from tsbatch.archiver.kserve import KServeError
 from tsbatch.archiver.measure import ProfileError
 from tsbatch.archiver.package import ArchiveError
-from tsbatch.archiver.tune import DEFAULT_TARGET_MS, TuneError
+from tsbatch.archiver.tune import DEFAULT_TARGET_MS, TuneError, frontend_keys
 from tsbatch.archiver.tune_generation import DEFAULT_TPOT_MS, DEFAULT_TTFT_MS, MODE as GENERATION_MODE
 from tsbatch.archiver.tune_sim import DEFAULT_WORKLOAD
 from tsbatch.handlers.core.cost import profile_threads
@@ -227,7 +227,7 @@ def cmd_simulate(args) -> int:
         overheads = sim.Overheads.from_report(args.overheads) if args.overheads else sim.Overheads()
         tokens = sim.workload_tokens(args.workload)
         arms = [sim.Arm("tsbatch", config=handler, workers=workers,
-                        batch_size=int(config.get("batchSize") or handler.queue_cap + 32)),
+                        batch_size=int(config.get("batchSize") or frontend_keys("continuous", handler.held)["batchSize"])),
                 sim.Arm("first-come", kind="first-come", threads=cores, batch_size=8, max_batch_delay_ms=10)]
         profiles = {profile_threads(profile): profile}
         edges = [s.bucket for s in profile.shapes if isinstance(s.bucket, int)]
@@ -261,8 +261,8 @@ def _export_parser(sub) -> None:
         help="write a deployment layout for another platform (--kserve)",
         description="--kserve: OUT/config/config.properties, OUT/model-store/NAME.mar and OUT/inferenceservice.yaml "
         "in the layout KServe's TorchServe runtime loads from storageUri. The archive is built and tuned like "
-        "`archive` in continuous mode (tsbatch's scheduler, batchSize = handler.queue_cap + 32), with --handler and "
-        "--extra-files shipped as given. TorchServe's KServe envelope stays off (it answers only the first request of "
+        "`archive` in continuous mode (tsbatch's scheduler, batchSize = handler.queue_cap per lane + 32), with --handler "
+        "and --extra-files shipped as given. TorchServe's KServe envelope stays off (it answers only the first request of "
         "a frontend batch): tsbatch reads KServe's v1 {\"instances\": [...]} and v2 BYTES-tensor requests itself, "
         "each instance bucketed and batched on its own, several per request and several requests per pass.",
     )

@@ -355,8 +355,8 @@ def archive(request: Request, out: str, settings: Mapping[str, Any], profile_pat
         return _archive_generation(request, out, settings, profile_path, no_tune, progress)
     if no_tune:
         request = warming_the_frontend(request, settings)
-        queue_cap = HandlerConfig.from_yaml(request.section).queue_cap
-        config = model_config(request.section, {**frontend_keys(request.mode, queue_cap), **request.overrides},
+        held = HandlerConfig.from_yaml(request.section).held
+        config = model_config(request.section, {**frontend_keys(request.mode, held), **request.overrides},
                               request.model_section)
         mar = build_archive(_spec(request, config, out), progress)
         return Built(_write_properties(out, request, settings), config, mar)

@@ -285,7 +285,7 @@ def tune(profile: LatencyProfile, target_ms: float, machine: Machine, config: Ha
     """All tuned values for this profile, target and machine; TuneError when the target is out of reach.
     `fixed` names the handler keys the user's configuration set: those keep the user's value."""
     fixed = set(fixed)
-    frontend = _mode(mode, config.queue_cap)  # first: refuses an unknown mode
+    frontend = _mode(mode, config.held)  # first: refuses an unknown mode
     _refuse(profile, target_ms, config, fixed)
     edges = _edges(profile, config)
     use_gpu = str(profile.environment.get("device", "cpu")).startswith("cuda")
@@ -388,16 +388,16 @@ def _serving(frontend: dict, plans, workers: Choice, use_gpu: bool, profile: Lat
     }
 
 
-def frontend_keys(mode: str, queue_cap: int = HandlerConfig.queue_cap) -> dict[str, Any]:
+def frontend_keys(mode: str, held: int = HandlerConfig().held) -> dict[str, Any]:
     """model-config.yaml's batching keys for a mode, the one place every builder takes them from.
     `default` is TorchServe's own batching: both tsbatch modes off, batchSize and maxBatchDelay the
-    caller's."""
+    caller's. `held`: the texts a worker may hold waiting (HandlerConfig.held)."""
     if mode == "default":
         return {"continuousBatching": False, "asyncCommunication": False}
-    return {key: choice.value for key, choice in _mode(mode, queue_cap).items()}
+    return {key: choice.value for key, choice in _mode(mode, held).items()}
 
 
-def _mode(mode: str, queue_cap: int) -> dict[str, Choice]:
+def _mode(mode: str, held: int) -> dict[str, Choice]:
     if mode not in MODES:
         raise TuneError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
     if mode == "continuous":
@@ -406,10 +406,11 @@ def _mode(mode: str, queue_cap: int) -> dict[str, Choice]:
                                                "each request when its own pass ends; unlike async mode, TorchServe 0.12 "
                                                "restarts a worker that dies in this mode (see the README)"),
             "asyncCommunication": Choice(False, "continuous mode instead: an async worker that dies is never replaced"),
-            "batchSize": Choice(queue_cap + INTAKE_ROOM,
-                                f"the requests one worker holds: handler.queue_cap ({queue_cap}) waiting plus "
-                                f"{INTAKE_ROOM} new ones per call, so past queue_cap tsbatch still sees new requests and "
-                                "answers them 503 with Retry-After"),
+            "batchSize": Choice(held + INTAKE_ROOM,
+                                f"the requests one worker holds: handler.queue_cap per lane ({held} texts) waiting "
+                                f"plus {INTAKE_ROOM} new ones per call, so a lane past its queue_cap never keeps "
+                                "another lane's requests in the frontend's queue, and tsbatch still sees new "
+                                "requests and answers them 503 with Retry-After"),
             "maxBatchDelay": Choice(1, "how long the frontend waits for company for an idle worker's first request: "
                                        "tsbatch batches, so 1 ms (0 would be replaced by 100)"),
         }

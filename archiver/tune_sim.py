@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 from tsbatch.archiver.simulate import Arm, Overheads, at_rate, capacity, workload_tokens
-from tsbatch.archiver.tune import Choice, TuneError, Tuning
+from tsbatch.archiver.tune import Choice, TuneError, Tuning, frontend_keys
 from tsbatch.handlers.core.buckets import longest
 from tsbatch.handlers.core.cost import profile_threads
 from tsbatch.handlers.core.policy import lane_threads
@@ -133,10 +133,9 @@ def _candidates(tuning: Tuning, section: Mapping[str, Any], cores: int, profile)
 def _lane_threads(candidate: Candidate, section: Mapping[str, Any]) -> int:
     """The intra-op threads each of the candidate's lanes would run a pass on."""
     config = HandlerConfig.from_yaml({**candidate.handler, **section})
-    lanes = 1 if config.long_lane_from is None else 2
-    return lane_threads(config.torch_threads or 1, lanes)
+    return lane_threads(config.torch_threads or 1, config.lanes)
 
 
 def _arm(candidate: Candidate, section: Mapping[str, Any]) -> Arm:
     config = HandlerConfig.from_yaml({**candidate.handler, **section})
-    return Arm(candidate.name, config=config, workers=candidate.workers, batch_size=config.queue_cap + 32)
+    return Arm(candidate.name, config=config, workers=candidate.workers, batch_size=frontend_keys("continuous", config.held)["batchSize"])

@@ -425,6 +425,16 @@ class HandlerConfig:
             )
         return config
 
+    @property
+    def lanes(self) -> int:
+        """Lanes a worker runs at most: two with a long lane (one when no bucket reaches it)."""
+        return 1 if self.long_lane_from is None else 2
+
+    @property
+    def held(self) -> int:
+        """Texts a worker may hold waiting: queue_cap for each lane."""
+        return self.queue_cap * self.lanes
+
     def edges_for(self, max_length: int | tuple[int, ...]) -> tuple[Bucket, ...]:
         """The buckets this model serves, shortest first: edges configured or default, cut at
         `max_length` (one maximum per size for a model with several sizes, whose buckets are every
@@ -468,8 +478,9 @@ class FrontendConfig:
     asyncCommunication: bool = setting(False, "async mode (`--mode async`): the worker runs handle() as asyncio "
                                               "tasks; TorchServe 0.12 never replaces an async worker that dies",
                                        BOOL, modes=("async",))
-    batchSize: int = setting(96, "requests the frontend hands one call: in continuous mode handler.queue_cap plus 32 "
-                                 "new ones; 1 in async mode; in default mode TorchServe's batch", POSITIVE_INT)
+    batchSize: int = setting(160, "requests the frontend hands one call: in continuous mode handler.queue_cap for "
+                                  "each lane plus 32 new ones; 1 in async mode; in default mode TorchServe's batch",
+                             POSITIVE_INT)
     maxBatchDelay: int = setting(1, "ms the frontend waits to fill a batch for an idle worker (0 would become 100)",
                                  POSITIVE_INT)
     minWorkers: int = setting(1, "workers started with the model (tuned: the cores over each worker's threads)",

@@ -254,7 +254,7 @@ def test_every_subcommand_explains_itself(command):
 def test_export_help_says_how_the_pod_batches():
     """What export_kserve builds: continuous mode, KServe's shapes read by tsbatch, several instances a request."""
     text = " ".join(tsbatch("export", "--help").stdout.split())
-    assert "continuous mode" in text and "batchSize = handler.queue_cap + 32" in text
+    assert "continuous mode" in text and "batchSize = handler.queue_cap per lane + 32" in text
     assert "several per request" in text and "--handler" in text
     assert "batchSize 1" not in text and "one instance per request" not in text
 

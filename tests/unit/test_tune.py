@@ -259,15 +259,17 @@ def test_job_queue_follows_littles_law_with_torchserves_default_as_floor():
     assert slow.frontend["jobQueueSize"].value >= 100
 
 
-def test_continuous_mode_is_the_default_and_holds_queue_cap_plus_room_for_new_requests():
+def test_continuous_mode_is_the_default_and_holds_each_lanes_queue_cap_plus_room_for_new_requests():
     tuning = tune(linear(), 500, TWO_CORES, EMBEDDING)
     values = tuning.frontend_values()
     assert tuning.mode == "continuous"
     assert (values["continuousBatching"], values["asyncCommunication"]) == (True, False)
-    assert values["batchSize"] == EMBEDDING.queue_cap + 32 and values["maxBatchDelay"] == 1
+    assert values["batchSize"] == 2 * EMBEDDING.queue_cap + 32 and values["maxBatchDelay"] == 1  # two lanes
+    one_lane = tune(linear(), 500, TWO_CORES, config_of(long_lane_from=None))
+    assert one_lane.frontend_values()["batchSize"] == EMBEDDING.queue_cap + 32
     assert "restarts a worker that dies" in tuning.frontend["continuousBatching"].reason
     with_cap = tune(linear(), 500, TWO_CORES, HandlerConfig.from_yaml({**BASE, "queue_cap": 10}))
-    assert with_cap.frontend["batchSize"].value == 42
+    assert with_cap.frontend["batchSize"].value == 2 * 10 + 32
     assert {p.lane for p in tuning.buckets} == {0, 1}  # the scheduler's two lanes
 
 
