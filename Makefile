@@ -20,7 +20,7 @@ ARCHIVE_ARGS ?=
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 SERVE_ENV = TMPDIR=$(RUN_DIR)/tmp TEMP=$(RUN_DIR)/tmp LOG_LOCATION=$(RUN_DIR)/logs METRICS_LOCATION=$(RUN_DIR)/logs PATH=$(CURDIR)/$(VENV)/bin:$$PATH
 
-.PHONY: setup java archive serve stop test test-unit test-transformers4 test-wheel bench-all bench-generate bench-many bench-saturation bench-frontend bench bench-warmup bench-warmup-served bench-first-request bench-idle bench-workers gpu-check soak chaos bench-recovery clean help
+.PHONY: setup java archive serve stop test test-unit test-transformers4 test-wheel bench-all bench-generate bench-many bench-saturation bench-frontend bench-overload bench bench-warmup bench-warmup-served bench-first-request bench-idle bench-workers gpu-check soak chaos bench-recovery clean help
 
 help:
 	@echo "make serve    set up, archive all-MiniLM-L6-v2 as '$(NAME)' and serve it on 127.0.0.1:8080-8082"
@@ -39,6 +39,7 @@ help:
 	@echo "make bench-many     32 texts as one request against 32 requests: time, padding, equal vectors"
 	@echo "make bench-saturation  where a saturated worker's time goes, against the model's in-process ceiling"
 	@echo "make bench-frontend  TorchServe's own settings (Netty threads, GC, access log) under a saturated worker"
+	@echo "make bench-overload  the shipped archive past its capacity: 200/503/504 per class (short, long), --before PY side by side (bench/results/overload.*)"
 	@echo "make gpu-check  every CUDA path in process on one GPU: warmup, CUDA graphs, out of memory, NVML, dtypes, throughput (bench/results/gpu-DATE.md; GPU_ARGS=--dry-run on the CPU; PYTHON=… for the GPU machine's own python)"
 	@echo "make soak     50,000 requests through async mode; frontend memory at start and end"
 	@echo "make chaos    worker killed mid-batch and overload at 3x capacity (bench/results/chaos.*)"
@@ -119,6 +120,9 @@ bench-saturation: setup java $(VENV)/.bench-tools
 
 bench-frontend: setup java
 	$(PYTHON) bench/frontend.py $(BENCH_ARGS)
+
+bench-overload: setup java
+	$(PYTHON) bench/overload.py $(BENCH_ARGS)
 
 bench-warmup: setup
 	$(PYTHON) bench/warmup_bench.py $(BENCH_ARGS)

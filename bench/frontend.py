@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -75,11 +76,15 @@ def window(store: str, root: str, tuned, rate: float, seconds: float, requests) 
                 "worker": worker_pids(served.management, NAME)[0]}
         before, started = {k: cpu_seconds(p) for k, p in pids.items()}, time.monotonic()
         arrivals = poisson_arrivals(rate, seconds, seed=22)
-        point = summarize(run_open_loop(url, requests[:len(arrivals)], arrivals, rate, seconds, timeout=60))
+        run = run_open_loop(url, requests[:len(arrivals)], arrivals, rate, seconds, timeout=60)
         elapsed = time.monotonic() - started
         cores = {k: round((cpu_seconds(p) - before[k]) / elapsed, 3) for k, p in pids.items()}
+    point = summarize(run)
     return {"answered_per_s": point["throughput"], "not_200": point["sent"] - point["ok"], "sent": point["sent"],
-            "short_p50": point["short"]["p50"], "short_p99": point["short"]["p99"], "cores": cores}
+            "short_p50": point["short"]["p50"], "short_p99": point["short"]["p99"],
+            "long_p50": point["long"]["p50"], "long_p99": point["long"]["p99"], "cores": cores,
+            "status_by_kind": {kind: dict(Counter(str(r.status) for r in run.results if r.kind == kind))
+                               for kind in ("short", "long")}}
 
 
 def pooled(rounds: list[dict]) -> dict:

@@ -100,3 +100,22 @@ def test_first_request_control_is_the_shipped_file_without_the_jit_flag():
                         "vmargs=-Dlog4j.configurationFile=file:///tmp/l.xml")]
     with pytest.raises(ValueError):
         without_jit(control)
+
+
+def test_overload_sums_each_class_s_statuses_over_rounds_and_names_every_arm_in_its_table():
+    from bench.overload import markdown, pooled
+
+    def window(answered, short, long):
+        return {"answered_per_s": answered, "short_p50": 100.0, "short_p99": 400.0, "long_p50": 900.0,
+                "long_p99": None, "cores": {"worker": 1.7}, "status_by_kind": {"short": short, "long": long}}
+
+    rounds = [window(70.0, {"200": 10, "503": 5}, {"200": 2}), window(80.0, {"200": 12}, {"200": 1, "504": 3})]
+    p = pooled(rounds)
+    assert p["status"] == {"short": {"200": 22, "503": 5}, "long": {"200": 3, "504": 3}}
+    assert p["per_round"] == [70.0, 80.0] and p["long_p99"] is None
+    report = {"when": "w", "machine": "m", "command": "c", "seconds": 20.0, "rounds": 2,
+              "arms": {"this checkout": "abc one", "before": "def two"},
+              "rates": {"130": {"this checkout": p, "before": p}}}
+    text = markdown(report)
+    assert "| 130 | before |" in text and "| 22 / 5 / 0 | 3 / 0 / 3 |" in text
+    assert "**before**: def two" in text
