@@ -176,7 +176,7 @@ def test_archive_with_a_profile_builds_a_tuned_mar(tmp_path, minilm_dir, steady_
     config = yaml.safe_load(text)
     assert config["continuousBatching"] is True and config["asyncCommunication"] is False
     handler = config["handler"]
-    assert config["batchSize"] == handler.get("queue_cap", 64) + 32
+    assert config["batchSize"] == 2 * handler.get("queue_cap", 64) + 32  # queue_cap for each of its two lanes, plus 32
     assert handler["buckets"] == [16, 64, 256]
     if "batch_caps" in handler:  # the simulator chose a candidate with the analytic caps
         assert set(handler["batch_caps"]) == {16, 64, 256}
