@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Callable
+from typing import Callable, Sequence
 
 from tsbatch.handlers.core.buckets import Batch, Item, bucket_label
 from tsbatch.handlers.core.isolate import describe, is_out_of_memory
@@ -80,14 +80,16 @@ def warm_up(model, config, edges, sizes_for: Callable[[int], tuple[int, ...]], l
     return profile
 
 
-def warm_lane(model, forward: Callable, buckets, repeats: int = 2) -> None:
-    """Run each of a lane's buckets at batch 1 on the lane's own thread, before READY. warm_up ran
-    every shape on the handler's thread; a lane thread's first passes still pay for what is its
-    own (its OpenMP team, its allocator arena): the first request of each length after READY took
-    1.3-1.5x its steady pass here until lanes warmed themselves."""
+def warm_lane(forward: Callable, batches: Sequence[Batch], repeats: int = 2) -> None:
+    """Run a lane's warm batches (each of its buckets at batch 1) on the lane's own thread, before
+    READY. warm_up ran every shape on the handler's thread; a lane thread's first passes still pay
+    for what is its own (its OpenMP team, its allocator arena): the first request of each length
+    after READY took 1.3-1.5x its steady pass here until lanes warmed themselves. The batches are
+    made beforehand on the handler's thread: lanes start together, and a fast tokenizer called from
+    two threads at once raises ("Already borrowed", transformers 4.57)."""
     for _ in range(repeats):
-        for bucket in buckets:
-            forward(example_batch(model, 1, bucket))
+        for batch in batches:
+            forward(batch)
 
 
 def borrowed_threads(config, lanes) -> int | None:

@@ -14,7 +14,7 @@ from tsbatch.handlers.core.reply import Answer, Reply
 from tsbatch.handlers.edge import socket_guard
 from tsbatch.handlers.edge.stages import PRIORITY_HEADER, Call, client_deadline, request_headers
 from tsbatch.handlers.runtime.lanes import Lanes
-from tsbatch.handlers.runtime.warming import borrowed_threads, warm_lane
+from tsbatch.handlers.runtime.warming import borrowed_threads, example_batch, warm_lane
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +32,7 @@ class ScheduledMode:
         """`lanes`: the buckets each lane serves and the intra-op threads it gets."""
         self.worker = worker
         self.lanes = lanes
+        self.warm_batches = [self._warm_batches(buckets) for buckets, _ in lanes]  # here, before the lanes start
         policy = policy_for(worker, lanes)
         logger.info("tsbatch scheduler (%s mode): lanes (buckets, threads) %s, %s", self.name, lanes, policy.settings)
         socket_guard.install()
@@ -82,15 +83,21 @@ class ScheduledMode:
             self.worker.metrics.queue_wait(batch.bucket, ticket.priority.name.lower(), started - ticket.arrived)
         self.worker.after_batch(batch, report)
 
+    def _warm_batches(self, buckets) -> list:
+        """A lane's warm batches (each bucket it can run, at batch 1), made on the handler's thread."""
+        w = self.worker
+        if not w.config.warmup:
+            return []
+        return [example_batch(w.model, 1, b) for b in buckets if b in w.edges and b not in w.unfit]
+
     def _on_lane_start(self, index: int) -> None:
         """On the lane's own thread, before READY: its warm passes, on every thread count the policy
         may give it (all the lanes' with borrow_cores), ending on its own."""
-        w, (buckets, threads) = self.worker, self.lanes[index]
-        wide = borrowed_threads(w.config, self.lanes)
+        threads = self.lanes[index][1]
+        wide = borrowed_threads(self.worker.config, self.lanes)
         for count in ([wide] if wide else []) + [threads]:
             self._use_threads(index, count)
-            if w.config.warmup:
-                warm_lane(w.model, w.forward, [b for b in buckets if b in w.edges and b not in w.unfit])
+            warm_lane(self.worker.forward, self.warm_batches[index])
 
     def _use_threads(self, index: int, threads: int) -> None:
         self.worker.model.use_threads(threads, background=index > 0)
