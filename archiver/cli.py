@@ -11,7 +11,7 @@ from tsbatch.archiver import pipeline, server
 from tsbatch.archiver.kserve import KServeError
 from tsbatch.archiver.measure import ProfileError
 from tsbatch.archiver.package import ArchiveError
-from tsbatch.archiver.tune import DEFAULT_TARGET_MS, TuneError, frontend_keys
+from tsbatch.archiver.tune import DEFAULT_TARGET_MS, TuneError, continuous_batch_size
 from tsbatch.archiver.tune_generation import DEFAULT_TPOT_MS, DEFAULT_TTFT_MS, MODE as GENERATION_MODE
 from tsbatch.archiver.tune_sim import DEFAULT_WORKLOAD
 from tsbatch.handlers.core.cost import profile_threads
@@ -227,7 +227,7 @@ def cmd_simulate(args) -> int:
         overheads = sim.Overheads.from_report(args.overheads) if args.overheads else sim.Overheads()
         tokens = sim.workload_tokens(args.workload)
         arms = [sim.Arm("tsbatch", config=handler, workers=workers,
-                        batch_size=int(config.get("batchSize") or frontend_keys("continuous", handler.held)["batchSize"])),
+                        batch_size=int(config.get("batchSize") or continuous_batch_size(handler))),
                 sim.Arm("first-come", kind="first-come", threads=cores, batch_size=8, max_batch_delay_ms=10)]
         profiles = {profile_threads(profile): profile}
         edges = [s.bucket for s in profile.shapes if isinstance(s.bucket, int)]

@@ -397,6 +397,12 @@ def frontend_keys(mode: str, held: int = HandlerConfig().held) -> dict[str, Any]
     return {key: choice.value for key, choice in _mode(mode, held).items()}
 
 
+def continuous_batch_size(config: HandlerConfig) -> int:
+    """Continuous mode's batchSize for this handler (every lane's queue_cap plus INTAKE_ROOM), as
+    an archive built with it ships: what the simulator's arms take as the frontend's call size."""
+    return frontend_keys("continuous", config.held)["batchSize"]
+
+
 def _mode(mode: str, held: int) -> dict[str, Choice]:
     if mode not in MODES:
         raise TuneError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 from tsbatch.archiver.simulate import Arm, Overheads, at_rate, capacity, workload_tokens
-from tsbatch.archiver.tune import Choice, TuneError, Tuning, frontend_keys
+from tsbatch.archiver.tune import Choice, TuneError, Tuning, continuous_batch_size
 from tsbatch.handlers.core.buckets import longest
 from tsbatch.handlers.core.cost import profile_threads
 from tsbatch.handlers.core.policy import lane_threads
@@ -138,4 +138,4 @@ def _lane_threads(candidate: Candidate, section: Mapping[str, Any]) -> int:
 
 def _arm(candidate: Candidate, section: Mapping[str, Any]) -> Arm:
     config = HandlerConfig.from_yaml({**candidate.handler, **section})
-    return Arm(candidate.name, config=config, workers=candidate.workers, batch_size=frontend_keys("continuous", config.held)["batchSize"])
+    return Arm(candidate.name, config=config, workers=candidate.workers, batch_size=continuous_batch_size(config))

@@ -32,7 +32,7 @@ from bench.loadtest.workload import WORKLOADS, token_counter, workload  # noqa: 
 from bench.run import build_arms, labels  # noqa: E402
 from tsbatch.archiver import pipeline  # noqa: E402
 from tsbatch.archiver.simulate import Arm, Overheads, at_rate, workload_tokens  # noqa: E402
-from tsbatch.archiver.tune import frontend_keys  # noqa: E402
+from tsbatch.archiver.tune import continuous_batch_size  # noqa: E402
 from tsbatch.handlers.core.cost import profile_threads  # noqa: E402
 from tsbatch.handlers.edge.config import HandlerConfig  # noqa: E402
 
@@ -88,7 +88,7 @@ def fit_beside(bench: dict, profiles: dict, overheads: Overheads) -> dict:
     short pass matches the one arm d's x-tsbatch-timing reported, in the median over its sweep
     rates from half its capacity to its capacity in a make bench report (bisected)."""
     template = HandlerConfig.from_yaml({"task": "embedding"})
-    arm = Arm("d", config=template, batch_size=frontend_keys("continuous", template.held)["batchSize"])
+    arm = Arm("d", config=template, batch_size=continuous_batch_size(template))
     tokens = workload_tokens(bench["workload"])
     max_length = max(s.bucket for s in next(iter(profiles.values())).shapes if isinstance(s.bucket, int))
     top = bench["arms"]["d"]["capacity"]

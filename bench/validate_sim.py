@@ -24,7 +24,7 @@ sys.path.insert(0, REPO)
 
 from tsbatch.archiver import pipeline  # noqa: E402
 from tsbatch.archiver.simulate import Arm, at_rate, capacity, workload_tokens  # noqa: E402
-from tsbatch.archiver.tune import frontend_keys  # noqa: E402
+from tsbatch.archiver.tune import continuous_batch_size  # noqa: E402
 from tsbatch.archiver.tune_sim import DEFAULT_WORKLOAD  # noqa: E402
 from tsbatch.handlers.core.cost import profile_threads  # noqa: E402
 from tsbatch.handlers.edge.config import HandlerConfig  # noqa: E402
@@ -50,9 +50,9 @@ def arms_for(live: dict, profile_path: str) -> dict[str, Arm]:
     known = {
         "a": Arm("a", kind="first-come", pad="max", threads=2),
         "b": Arm("b", kind="first-come", threads=2),
-        "d": Arm("d", config=template, batch_size=frontend_keys("continuous", template.held)["batchSize"]),
+        "d": Arm("d", config=template, batch_size=continuous_batch_size(template)),
         "d2": Arm("d2", config=HandlerConfig.from_yaml({"task": "embedding", "torch_threads": 1}), workers=2,
-                  batch_size=frontend_keys("continuous", template.held)["batchSize"]),
+                  batch_size=continuous_batch_size(template)),
         "b2": Arm("b2", kind="first-come", workers=2, threads=1),
     }
     out = {name: known[name] for name in live["arms"] if name in known}
