@@ -142,6 +142,19 @@ def lane_threads(threads: int, lanes: int) -> int:
     return max(1, threads // max(1, lanes))
 
 
+def borrowing_lane(threads: Sequence[int]) -> int | None:
+    """The one lane whose passes may run on every lane's threads (`borrow_cores`), given each
+    lane's own: the last (long) lane, and only beside lanes of one thread. GNU OpenMP (PyTorch's
+    CPU wheels) gives each thread that runs a multi-threaded pass a team that outlives the pass;
+    once a process's teams hold more threads than it has cores, their workers sleep between
+    parallel regions, and a borrowed two-thread pass ran at its one-thread speed
+    (bench/results/omp-pools.md). One lane borrowing, beside lanes of one thread (no team),
+    keeps the worker to one team."""
+    if len(threads) < 2 or any(t > 1 for t in threads[:-1]):
+        return None
+    return len(threads) - 1
+
+
 def deadline_at(now: float, deadline_ms: int, margin_ms: int) -> float:
     """The worker's own deadline for a request taken in at `now`: `margin_ms` early, kept for
     what the worker cannot see (the reply's way back through the frontend)."""
@@ -280,14 +293,15 @@ class Policy:
 
     def pass_threads(self, lane: int, batch: Batch) -> int:
         """The intra-op threads of a pass: its lane's share, or every lane's threads when
-        `borrow_cores` is on, every other lane is idle with nothing queued, and the cost model (a
+        `borrow_cores` is on, this is the `borrowing_lane`, every other lane is idle with nothing
+        queued, and the cost model (a
         profile timed on that many threads) says the pass ends at least BORROW_SAVING sooner and
         is likely over before the next arrival (`quiet`): the cores would otherwise idle. A lane
         that wakes meanwhile runs beside it on its own share, three threads on two cores, which
         costs its pass and the borrowed one more than borrowing saved (the simulator, 12-03)."""
         own = self.lanes[lane].threads
         others = [s for j, s in enumerate(self.lanes) if j != lane]
-        if not self.settings.borrow_cores or not others:
+        if not self.settings.borrow_cores or lane != borrowing_lane([s.threads for s in self.lanes]):
             return own
         if any(s.running is not None or any(self.queues[b] for b in s.buckets) for s in others):
             return own

@@ -380,11 +380,12 @@ class HandlerConfig:
     long_lane_from: int | None = setting(128, "buckets whose row costs at least this many tokens (for two sizes, "
                                               "the sum of the edges) run on a lane of their own",
                                          optional(POSITIVE_INT, "one lane"), modes=SCHEDULER_MODES)
-    borrow_cores: bool = setting(False, "a lane's pass runs on every lane's threads while the other lanes are idle "
-                                        "with nothing queued, the profile says that saves 10 ms or more and the pass "
-                                        "is likely over before the next arrival (light load: lower p50, higher p99 "
-                                        "when work arrives mid-pass); warmup then also times every shape on all the "
-                                        "lanes' threads",
+    borrow_cores: bool = setting(False, "the long lane's pass runs on every lane's threads while the other lanes "
+                                        "are idle with nothing queued, the profile says that saves 10 ms or more and "
+                                        "the pass is likely over before the next arrival (light load: lower p50, "
+                                        "higher p99 when work arrives mid-pass; only beside lanes of one thread, so "
+                                        "the worker keeps one OpenMP team); warmup then also times every shape on "
+                                        "all the lanes' threads",
                                  BOOL, modes=SCHEDULER_MODES)
     warmup: bool = setting(True, "run every (batch size, bucket) shape in initialize(), before READY", BOOL)
     warmup_repeats: int = setting(3, "timed passes per shape at warmup, at least", POSITIVE_INT)

@@ -12,8 +12,10 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 import time
 from dataclasses import replace
+from typing import Callable
 
 from tsbatch.handlers.api import Model, device_type
 from tsbatch.handlers.core.buckets import Bucket
@@ -50,6 +52,12 @@ class TsbatchHandler:
         raise NotImplementedError("subclass TsbatchHandler and return your Model from load_model()")
 
     def initialize(self, context) -> None:
+        if serving_mode(context.model_yaml_config or {}) == "default":
+            self._initialize(context)  # its passes run on this thread, on the team warmup made
+        else:
+            _on_thread_that_ends(lambda: self._initialize(context))
+
+    def _initialize(self, context) -> None:
         started = time.monotonic()
         yaml_config = context.model_yaml_config or {}
         model_dir = context.system_properties.get("model_dir")
@@ -159,6 +167,28 @@ class TsbatchHandler:
             import torch
 
             torch.cuda.empty_cache()
+
+
+def _on_thread_that_ends(load: Callable[[], None]) -> None:
+    """Run `load` (the model's loading and warmup, on the worker's threads) on a thread that
+    ends after it, and raise what it raised. In the scheduled modes lanes run every pass; a
+    multi-threaded pass on TorchServe's thread would leave it an OpenMP team that outlives it, and
+    with a second team in the process (a lane borrowing the cores) GNU OpenMP's workers sleep
+    between parallel regions: the lane's two-thread passes ran at their one-thread speed
+    (bench/results/omp-pools.md)."""
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            load()
+        except BaseException as error:  # noqa: BLE001 - raised again on TorchServe's thread
+            failed.append(error)
+
+    thread = threading.Thread(target=run, name="tsbatch-load")
+    thread.start()
+    thread.join()
+    if failed:
+        raise failed[0]
 
 
 def _fit_threads(config: HandlerConfig, yaml_config: dict, siblings: Siblings) -> HandlerConfig:

@@ -12,6 +12,7 @@ from typing import Callable, Sequence
 
 from tsbatch.handlers.core.buckets import Batch, Item, bucket_label
 from tsbatch.handlers.core.isolate import describe, is_out_of_memory
+from tsbatch.handlers.core.policy import borrowing_lane
 from tsbatch.warmup.plan import Shape, WarmupPlan, plan_shapes
 from tsbatch.warmup.profile import PROFILE_FILE, LatencyProfile
 from tsbatch.warmup.run import estimate, run_plan
@@ -93,9 +94,9 @@ def warm_lane(forward: Callable, batches: Sequence[Batch], repeats: int = 2) -> 
 
 
 def borrowed_threads(config, lanes) -> int | None:
-    """All the worker's lanes' threads together, where `borrow_cores` lets one pass use them and
-    there is more than one lane to borrow from (None: warmup times the lanes' own threads only)."""
-    if not getattr(config, "borrow_cores", False) or not lanes or len(lanes) < 2:
+    """All the worker's lanes' threads together, where `borrow_cores` lets the `borrowing_lane`'s
+    passes use them (None: warmup times the lanes' own threads only)."""
+    if not getattr(config, "borrow_cores", False) or borrowing_lane([t for _, t in lanes or []]) is None:
         return None
     return sum(threads for _, threads in lanes)
 

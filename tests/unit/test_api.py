@@ -178,3 +178,31 @@ def test_only_a_worker_with_lanes_hands_the_gil_over_sooner():
         handler.close()
     finally:
         sys.setswitchinterval(before)
+
+
+def test_with_lanes_the_model_loads_and_warms_on_a_thread_that_ends_and_its_errors_still_reach_torchserve():
+    """Lanes run every pass in the scheduler modes; a multi-threaded warmup pass on TorchServe's
+    thread would leave that thread an OpenMP team for good, and a second team (a lane borrowing
+    the cores) makes GNU OpenMP's workers sleep between regions (bench/results/omp-pools.md).
+    Default mode runs its passes on TorchServe's thread, so it loads there."""
+    import threading
+
+    loaded_on: list = []
+
+    class Where(WordHandler):
+        def load_model(self, model_path, config, gpu_id):
+            loaded_on.append(threading.current_thread())
+            return super().load_model(model_path, config, gpu_id)
+
+    for frontend, on_this_thread in (({}, True), ({"continuousBatching": True}, False), ({"asyncCommunication": True}, False)):
+        handler = Where()
+        handler.initialize(FakeContext({"buckets": [4, 16], "warmup": False}, frontend))
+        assert (loaded_on.pop() is threading.current_thread()) == on_this_thread, frontend
+        handler.close()
+
+    class Broken(TsbatchHandler):
+        def load_model(self, model_path, config, gpu_id):
+            raise ValueError("no weights in this directory")
+
+    with pytest.raises(ValueError, match="no weights"):
+        Broken().initialize(FakeContext({"warmup": False}, {"continuousBatching": True}))

@@ -15,7 +15,7 @@ import pytest
 from tsbatch.handlers.core.buckets import batch_cap, Batch, Item
 from tsbatch.handlers.core.cost import CostModel
 from tsbatch.handlers.core.errors import BadInput, Overloaded
-from tsbatch.handlers.core.policy import Plan, Policy, PolicySettings, Priority, Ticket, within_budget
+from tsbatch.handlers.core.policy import Plan, Policy, PolicySettings, Priority, Ticket, borrowing_lane, within_budget
 
 pytestmark = pytest.mark.unit
 
@@ -748,9 +748,22 @@ def test_no_borrowing_while_another_lane_runs_or_has_work_queued():
     p.finished(short, 1.1)
     submit(p, 256, 1, arrived=1.1)
     assert p.schedule(0, 1.1).idle  # nothing of its own; the long lane is not behind
-    p2 = one_thread_lanes(wide_cost(0.088, 0.045), borrow_cores=True)
-    submit(p2, 16, 1, arrived=0.0)
-    assert p2.schedule(0, 200.0).threads == 2  # a short pass borrows the idle long lane's thread too
+
+
+def test_only_the_long_lane_borrows_and_only_beside_lanes_of_one_thread():
+    """One lane borrowing keeps the worker to one OpenMP team (bench/results/omp-pools.md)."""
+    p = one_thread_lanes(wide_cost(0.088, 0.045), borrow_cores=True)
+    submit(p, 16, 1, arrived=0.0)
+    assert p.schedule(0, 200.0).threads == 1  # a short pass never borrows the idle long lane's thread
+    submit(p, 256, 1, arrived=0.0)
+    assert p.schedule(1, 200.0).threads == 1  # the short lane runs: nothing to borrow
+    at = lambda seconds: (lambda *, bucket, size: seconds)  # noqa: E731
+    four = CostModel(at(0.088), at(0.088), threads=2, wider={4: CostModel(at(0.030), at(0.030), threads=4)})
+    q = Policy(policy(max_wait=100.0, borrow_cores=True), lambda bucket: batch_cap(bucket, TOKENS), four,
+               lanes=[SHORT_LANE, LONG_LANE], threads=[2, 2])
+    submit(q, 256, 1, arrived=0.0)
+    assert q.schedule(1, 200.0).threads == 2  # the short lane's own team: borrowing would make a second
+    assert [borrowing_lane(t) for t in ([1, 1], [1, 2], [2, 1], [1, 1, 1], [4], [])] == [1, 1, None, 2, None, None]
 
 
 def test_no_borrowing_while_requests_arrive_more_often_than_every_two_borrowed_passes():

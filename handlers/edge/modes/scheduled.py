@@ -9,7 +9,7 @@ import logging
 
 from tsbatch.handlers.core.buckets import Item
 from tsbatch.handlers.core.errors import DeadlineExceeded, Overloaded, ServingError
-from tsbatch.handlers.core.policy import Policy, PolicySettings, Priority, Ticket, deadline_at
+from tsbatch.handlers.core.policy import Policy, PolicySettings, Priority, Ticket, borrowing_lane, deadline_at
 from tsbatch.handlers.core.reply import Answer, Reply
 from tsbatch.handlers.edge import socket_guard
 from tsbatch.handlers.edge.stages import PRIORITY_HEADER, Call, client_deadline, request_headers
@@ -92,10 +92,11 @@ class ScheduledMode:
 
     def _on_lane_start(self, index: int) -> None:
         """On the lane's own thread, before READY: its warm passes, on every thread count the policy
-        may give it (all the lanes' with borrow_cores), ending on its own."""
+        may give it (all the lanes' for the borrowing lane with borrow_cores), ending on its own."""
         threads = self.lanes[index][1]
         wide = borrowed_threads(self.worker.config, self.lanes)
-        for count in ([wide] if wide else []) + [threads]:
+        borrows = wide and index == borrowing_lane([t for _, t in self.lanes])
+        for count in ([wide] if borrows else []) + [threads]:
             self._use_threads(index, count)
             warm_lane(self.worker.forward, self.warm_batches[index])
 
