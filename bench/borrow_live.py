@@ -26,6 +26,7 @@ sys.path.insert(0, REPO)
 import requests  # noqa: E402
 
 from bench.loadtest import report as reports  # noqa: E402
+from bench.loadtest.load import timing_of  # noqa: E402
 from bench.loadtest.sweep import at_rate_interleaved  # noqa: E402
 from bench.idle_bench import measure  # noqa: E402
 from bench.omp_pools import on_thread  # noqa: E402
@@ -72,8 +73,7 @@ def lone(url: str, count: int) -> dict:
         reply = requests.post(url, data=LONE_TEXT.encode(), headers={"Content-Type": "text/plain"}, timeout=30)
         ends.append((time.perf_counter() - started) * 1000)
         reply.raise_for_status()
-        parts = dict(p.strip().split("=") for p in reply.headers.get(TIMING_HEADER, "").split(";") if "=" in p)
-        passes.append(float(parts["pass"]))
+        passes.append(timing_of(reply.headers.get(TIMING_HEADER, ""))["pass"])
     return {"requests": count, "end_to_end_p50_ms": round(statistics.median(ends), 1),
             "pass_p50_ms": round(statistics.median(passes), 1), "pass_max_ms": round(max(passes), 1)}
 
