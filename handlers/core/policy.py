@@ -294,11 +294,11 @@ class Policy:
     def pass_threads(self, lane: int, batch: Batch) -> int:
         """The intra-op threads of a pass: its lane's share, or every lane's threads when
         `borrow_cores` is on, this is the `borrowing_lane`, every other lane is idle with nothing
-        queued, and the cost model (a
-        profile timed on that many threads) says the pass ends at least BORROW_SAVING sooner and
-        is likely over before the next arrival (`quiet`): the cores would otherwise idle. A lane
-        that wakes meanwhile runs beside it on its own share, three threads on two cores, which
-        costs its pass and the borrowed one more than borrowing saved (the simulator, 12-03)."""
+        queued, and the cost model (a profile timed on that many threads) says the pass ends at
+        least BORROW_SAVING sooner and is likely over before the next arrival (`quiet`): the cores
+        would otherwise idle. A lane that wakes meanwhile runs beside it on its own share, three
+        threads on two cores, which costs its pass and the borrowed one more than borrowing saved
+        (the simulator, 12-03)."""
         own = self.lanes[lane].threads
         others = [s for j, s in enumerate(self.lanes) if j != lane]
         if not self.settings.borrow_cores or lane != borrowing_lane([s.threads for s in self.lanes]):
