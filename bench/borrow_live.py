@@ -6,13 +6,16 @@ shapes at about twice their cost, and a policy that reads such a profile never b
 First, in process: the long bucket's pass at batch 1 on one lane thread, on one thread and on
 every core, after the pause the lone requests leave (bench/omp_pools.py). Then lone long requests,
 0.4 s apart: end to end and their pass (x-tsbatch-timing). Then the mix (85% short, 15% long) at
-light rates, arms interleaved. Writes bench/results/borrow-live.json and borrow-live.md.
+light rates, arms interleaved. `--before PY` adds a third arm: borrow_cores on in the archive
+another checkout's python builds from the same profile (a change to the rule, side by side).
+Writes bench/results/borrow-live.json and borrow-live.md.
 
-    make bench-borrow BENCH_ARGS='--profile P [--rates 4,14] [--duration 20] [--rounds 3]'
+    make bench-borrow BENCH_ARGS='--profile P [--rates 4,14] [--duration 20] [--rounds 3] [--before PY]'
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import subprocess
@@ -33,20 +36,22 @@ from bench.omp_pools import on_thread  # noqa: E402
 from tsbatch.archiver import server  # noqa: E402
 from tsbatch.handlers.edge.stages import TIMING_HEADER  # noqa: E402
 
-ARMS = {"off": "borrow_cores off (as shipped)", "on": "borrow_cores on"}
+ARMS = {"off": "borrow_cores off (as shipped)", "on": "borrow_cores on", "before": "borrow_cores on, --before's checkout"}
 LONE_TEXT = ("Serving a transformer encoder on a small machine means batching requests of very different "
              "lengths, and the long ones should not hold the short ones back while the cores sit idle. ") * 12
 LONE_GAP_S = 0.4
 
 
-def build(root: str, arm: str, profile: str) -> str:
-    """The arm's model store: the archive as `tsbatch archive --profile` builds it, borrow_cores set."""
+def build(root: str, arm: str, profile: str, python: str = sys.executable) -> str:
+    """The arm's model store: the archive as `tsbatch archive --profile` builds it (with `python`'s
+    checkout), borrow_cores set."""
     store = os.path.join(root, f"store_{arm}")
     overlay = os.path.join(root, f"{arm}.yaml")
     with open(overlay, "w") as f:
-        f.write(f"borrow_cores: {'true' if arm == 'on' else 'false'}\n")
-    subprocess.run([sys.executable, "-m", "tsbatch.archiver", "archive", "--name", f"arm_{arm}", "--out", store,
-                    "--profile", profile, "--handler-config", overlay], check=True, stdout=subprocess.DEVNULL)
+        f.write(f"borrow_cores: {'false' if arm == 'off' else 'true'}\n")
+    subprocess.run([python, "-m", "tsbatch.archiver", "archive", "--name", f"arm_{arm}", "--out", store,
+                    "--profile", os.path.abspath(profile), "--handler-config", overlay], check=True,
+                   stdout=subprocess.DEVNULL, cwd=tempfile.gettempdir())
     return store
 
 
@@ -107,8 +112,10 @@ def main() -> int:
     parser.add_argument("--duration", type=float, default=20.0)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--lone", type=int, default=16, help="lone long requests per arm and round")
+    parser.add_argument("--before", metavar="PY", help="another checkout's venv python: its archive, borrow_cores on")
     parser.add_argument("--out", default=reports.RESULTS)
     args = parser.parse_args()
+    arms = [arm for arm in ARMS if arm != "before" or args.before]
     server.stop_on_sigterm()
 
     import torch
@@ -119,21 +126,22 @@ def main() -> int:
               "rounds": args.rounds, "lone_requests": args.lone,
               "in_process_p50_ms": in_process(cores, samples=16)}
     print(f"in process: {report['in_process_p50_ms']}", flush=True)
-    with tempfile.TemporaryDirectory(prefix="tsbatch-borrow-") as root:
-        stores = {arm: build(root, arm, args.profile) for arm in ARMS}
-        with server.local_server(os.path.join(root, "off"), stores["off"], ["arm_off"]) as off, \
-                server.local_server(os.path.join(root, "on"), stores["on"], ["arm_on"]) as on:  # after off is READY
-            urls = {"off": f"{off.inference}/predictions/arm_off", "on": f"{on.inference}/predictions/arm_on"}
-            report["lone"] = {arm: [] for arm in ARMS}
-            for turn in range(args.rounds):
-                for arm in (list(ARMS) if turn % 2 == 0 else list(ARMS)[::-1]):
-                    report["lone"][arm].append(lone(urls[arm], args.lone))
-                    print(f"lone, {arm}, round {turn + 1}: {report['lone'][arm][-1]}", flush=True)
-            report["light"] = {}
-            for rate in (float(r) for r in args.rates.split(",")):
-                points = at_rate_interleaved(urls, rate, args.duration, args.rounds)
-                report["light"][f"{rate:g}"] = {arm: {k: p[k] for k in ("short", "long", "all", "lost")}
-                                                for arm, p in points.items()}
+    with tempfile.TemporaryDirectory(prefix="tsbatch-borrow-") as root, contextlib.ExitStack() as servers:
+        urls = {}
+        for arm in arms:  # each torchserve started once the one before is READY: each warms alone
+            store = build(root, arm, args.profile, args.before if arm == "before" else sys.executable)
+            served = servers.enter_context(server.local_server(os.path.join(root, arm), store, [f"arm_{arm}"]))
+            urls[arm] = f"{served.inference}/predictions/arm_{arm}"
+        report["lone"] = {arm: [] for arm in arms}
+        for turn in range(args.rounds):
+            for arm in (arms if turn % 2 == 0 else arms[::-1]):
+                report["lone"][arm].append(lone(urls[arm], args.lone))
+                print(f"lone, {arm}, round {turn + 1}: {report['lone'][arm][-1]}", flush=True)
+        report["light"] = {}
+        for rate in (float(r) for r in args.rates.split(",")):
+            points = at_rate_interleaved(urls, rate, args.duration, args.rounds)
+            report["light"][f"{rate:g}"] = {arm: {k: p[k] for k in ("short", "long", "all", "lost")}
+                                            for arm, p in points.items()}
     text = markdown(report)
     reports.write(os.path.join(args.out, "borrow-live"), report, text, indent=2)
     print(text)
