@@ -41,7 +41,10 @@ SHORT_ONLY = Mix(long_share=0.0, short_median_words=10, short_max_words=24)
 def build(python: str, store: str, name: str, profile: str | None, model_dir: str | None = None,
           extra: list[str] | None = None) -> str:
     """`tsbatch archive` of the checkout `python` runs, tuned from `profile` (taken here if None);
-    returns the profile's path. `extra`: more `tsbatch archive` arguments."""
+    returns the profile's path. `extra`: more `tsbatch archive` arguments. It runs in the temporary
+    directory (not this checkout, whose package would shadow `python`'s), so a relative profile
+    path is made absolute first."""
+    profile = os.path.abspath(profile) if profile else None
     cmd = [python, "-m", "tsbatch.archiver", "archive", "--name", name, "--out", store]
     cmd += (["--model-dir", model_dir] if model_dir else []) + (extra or [])
     subprocess.run(cmd + (["--profile", profile] if profile else []), check=True, stdout=subprocess.DEVNULL,

@@ -20,6 +20,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from tsbatch.archiver import server  # noqa: E402
+from bench.compare import build as build_archive  # noqa: E402
 from bench.frontend import NAME, window  # noqa: E402
 from bench.loadtest import report as reports  # noqa: E402
 from bench.loadtest.stats import percentile  # noqa: E402
@@ -28,9 +29,7 @@ from bench.loadtest.workload import Mix, make_requests  # noqa: E402
 
 def build(python: str, store: str, profile: str | None) -> str:
     """`tsbatch archive` as the checkout `python` runs builds it; its git commit, for the report."""
-    command = [python, "-m", "tsbatch.archiver", "archive", "--name", NAME, "--out", store]
-    subprocess.run(command + (["--profile", profile] if profile else []), check=True, stdout=subprocess.DEVNULL,
-                   cwd=tempfile.gettempdir())
+    build_archive(python, store, NAME, profile)
     source = subprocess.run([python, "-c", "import tsbatch.handlers, os; print(os.path.dirname(tsbatch.handlers.__file__))"],
                             check=True, capture_output=True, text=True, cwd=tempfile.gettempdir()).stdout.strip()
     return subprocess.run(["git", "-C", source, "log", "-1", "--format=%h %s"], capture_output=True,
