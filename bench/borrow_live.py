@@ -18,7 +18,6 @@ import argparse
 import contextlib
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,6 +27,7 @@ sys.path.insert(0, REPO)
 
 import requests  # noqa: E402
 
+from bench.compare import build as build_archive  # noqa: E402
 from bench.loadtest import report as reports  # noqa: E402
 from bench.loadtest.load import timing_of  # noqa: E402
 from bench.loadtest.sweep import at_rate_interleaved  # noqa: E402
@@ -49,9 +49,7 @@ def build(root: str, arm: str, profile: str, python: str = sys.executable) -> st
     overlay = os.path.join(root, f"{arm}.yaml")
     with open(overlay, "w") as f:
         f.write(f"borrow_cores: {'false' if arm == 'off' else 'true'}\n")
-    subprocess.run([python, "-m", "tsbatch.archiver", "archive", "--name", f"arm_{arm}", "--out", store,
-                    "--profile", os.path.abspath(profile), "--handler-config", overlay], check=True,
-                   stdout=subprocess.DEVNULL, cwd=tempfile.gettempdir())
+    build_archive(python, store, f"arm_{arm}", profile, extra=["--handler-config", overlay])
     return store
 
 
