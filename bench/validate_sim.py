@@ -8,7 +8,8 @@ it (70% of first-come's capacity). Writes bench/results/simulator-vs-live.{json,
 `--profile`: the profile the tsbatch arms serve with (taken with their lanes' threads, as
 `tsbatch profile` does); `--profile-2t`: one taken with a single lane on every thread (handler
 long_lane_from: null), for first-come's two-thread passes, unless `--profile-first-come` gives the
-control's own (bench/control_profile.py: its eager model, tokenizing inside the pass). Arm t is served
+control's own (bench/control_profile.py: its eager model, tokenizing inside the pass); `--overheads`
+what bench/overheads.py measured on the live runs' machine. Arm t is served
 as the live run served it (the model-config.yaml make bench records), or, for a report without it,
 tuned again from --profile exactly as `make bench` tunes it (tsbatch archive's default workload).
 """
@@ -23,7 +24,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from tsbatch.archiver import pipeline  # noqa: E402
-from tsbatch.archiver.simulate import Arm, at_rate, capacity, workload_tokens  # noqa: E402
+from tsbatch.archiver.simulate import Arm, Overheads, at_rate, capacity, workload_tokens  # noqa: E402
 from tsbatch.archiver.tune import continuous_batch_size  # noqa: E402
 from tsbatch.archiver.tune_sim import DEFAULT_WORKLOAD  # noqa: E402
 from tsbatch.handlers.core.cost import profile_threads  # noqa: E402
@@ -75,7 +76,8 @@ def within(predicted, measured, share: float) -> bool | None:
     return abs(predicted - measured) / measured <= share
 
 
-def compare(live: dict, profiles: dict, profile_path: str, first_come: dict | None = None) -> dict:
+def compare(live: dict, profiles: dict, profile_path: str, first_come: dict | None = None,
+            overheads: Overheads = Overheads()) -> dict:
     tokens = workload_tokens(live["workload"])
     max_length = max(s.bucket for s in next(iter(profiles.values())).shapes if isinstance(s.bucket, int))
     target = live["latency_target_ms"]
@@ -84,12 +86,13 @@ def compare(live: dict, profiles: dict, profile_path: str, first_come: dict | No
         measured = live["arms"][name]
         served = first_come if arm.kind == "first-come" and first_come else profiles
         rate = measured["at_70pct_b"]["offered_rate"]
-        predicted_capacity = capacity(arm, tokens, served, max_length, target, 30.0, 0, 1.0)
-        point = at_rate(arm, rate, tokens, served, max_length, SIMULATED_AT_70, 0)
+        predicted_capacity = capacity(arm, tokens, served, max_length, target, 30.0, 0, 1.0, overheads=overheads)
+        point = at_rate(arm, rate, tokens, served, max_length, SIMULATED_AT_70, 0, overheads=overheads)
         live_p99 = measured["at_70pct_b"]["short"]["p99"]
         sweep = []
         for live_point in sorted(measured["sweep"], key=lambda p: p["offered_rate"]):
-            simulated = at_rate(arm, live_point["offered_rate"], tokens, served, max_length, 30.0, 0).latency
+            simulated = at_rate(arm, live_point["offered_rate"], tokens, served, max_length, 30.0, 0,
+                                overheads=overheads).latency
             again = live_point.get("again")  # measured again (make bench's confirm): its second window
             sweep.append({"rate": live_point["offered_rate"], "live": {k: live_point[k]["p99"] for k in ("short", "long")},
                           "live_again": {k: again[k]["p99"] for k in ("short", "long")} if again else None,
@@ -145,8 +148,11 @@ def main(argv=None) -> int:
     parser.add_argument("--profile", required=True)
     parser.add_argument("--profile-2t", help="a profile taken on one lane with every thread (first-come's passes)")
     parser.add_argument("--profile-first-come", help="the first-come control's own passes (bench/control_profile.py)")
+    parser.add_argument("--overheads", metavar="JSON", help="a bench/overheads.py report measured on the live runs' "
+                                                             "machine (default: the simulator's, fitted 12-02)")
     parser.add_argument("--out", default=os.path.join(reports.RESULTS, "simulator-vs-live"))
     args = parser.parse_args(argv)
+    overheads = Overheads.from_report(args.overheads) if args.overheads else Overheads()
     lanes = pipeline.load_profile(args.profile)
     profiles = {profile_threads(lanes): lanes}
     if args.profile_2t:
@@ -162,7 +168,7 @@ def main(argv=None) -> int:
         report["profiles"]["first-come"] = control.environment
     for path in args.live:
         with open(path) as f:
-            report["workloads"].append(compare(json.load(f), profiles, args.profile, first_come))
+            report["workloads"].append(compare(json.load(f), profiles, args.profile, first_come, overheads))
     text = markdown(report)
     reports.write(args.out, report, text)
     print(text)
