@@ -2,12 +2,11 @@
 import os
 from dataclasses import replace
 
+from bench.loadtest.report import RESULTS
 from bench.validate_sim import compare
 from tsbatch.archiver import pipeline
 from tsbatch.archiver.simulate import Overheads
 from tsbatch.handlers.core.cost import profile_threads
-
-RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench", "results")
 
 
 def live_first_come() -> dict:
