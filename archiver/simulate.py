@@ -56,15 +56,15 @@ class Overheads:
     (from a make bench run's x-tsbatch-timing)."""
 
     # (requests/s, cores) measured (see outside_cores)
-    outside: tuple[tuple[float, float], ...] = ((3.75, 0.103), (8.38, 0.1909), (13.46, 0.2259), (15.17, 0.245),
-        (15.25, 0.2198), (32.55, 0.3733), (64.99, 0.5076), (128.15, 0.6138))
-    outside_first_come: tuple[tuple[float, float], ...] = ((3.75, 0.0355), (8.37, 0.0564), (12.99, 0.0726),
-        (13.43, 0.0798), (15.23, 0.111), (32.55, 0.1344), (64.23, 0.1959), (104.81, 0.2023))
-    latency: float = 0.0093  # seconds a request spends outside the handler at light load
+    outside: tuple[tuple[float, float], ...] = ((3.75, 0.0516), (8.38, 0.0958), (13.46, 0.1047), (15.19, 0.1167),
+        (15.25, 0.1058), (32.56, 0.1706), (65.01, 0.3042), (128.5, 0.4755))
+    outside_first_come: tuple[tuple[float, float], ...] = ((3.75, 0.0188), (8.37, 0.0279), (13.46, 0.0388),
+        (15.21, 0.0412), (15.24, 0.0613), (32.56, 0.07), (64.88, 0.1051), (117.16, 0.1547))
+    latency: float = 0.006  # seconds a request spends outside the handler at light load
     # a pass runs this many times slower while a long pass (more than SHORT_TOKENS) runs beside
     # it: its memory traffic is the lanes' shared cost (fitted to a make bench search run's
     # x-tsbatch-timing; two short passes side by side ran as fast as alone in the short-only run)
-    beside: float = 1.383
+    beside: float = 1.211
     window: float = 1.0  # seconds over which the frontend's recent load is counted
 
     @classmethod

@@ -164,6 +164,7 @@ def main(argv=None) -> int:
                 for arm in report["arms"]:
                     report["arms"][arm] += measured_["arms"][arm]
                 report["workload"] += f", {measured_['workload']}"
+                report["command"] += f"`, then `{measured_['command']}"
         profiles = profiles_of(args.profile, args.profile_2t)
         report["fit"] = fit(report)
         report["refit"] = "python bench/overheads.py " + " ".join(sys.argv[1:] if argv is None else argv)
