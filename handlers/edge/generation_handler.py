@@ -130,7 +130,9 @@ class GenerationHandler:
             logger.exception("tsbatch generation: request %s", context.request_ids.get(index))
             reply.fail(ModelFailed(f"the handler failed on this request: {type(error).__name__}"))
             return reply.final()
-        seen = self.watch.open_now(since=seq.request.arrived)
+        # the connections open on arrival, looked at on another thread: a look is a few ms of system calls
+        # this request's first token need not wait behind (nor any other request's tokens)
+        seen = asyncio.ensure_future(asyncio.to_thread(self.watch.open_now, seq.request.arrived))
         try:
             await (self._stream if ask.stream else self._whole)(seq, _Events(waiter, self.watch, seen), reply)
         except ClientGone as gone:
@@ -190,9 +192,11 @@ class GenerationHandler:
 
 class _Events:
     """A request's waiter, looked through: its next event, or ClientGone once its client is (looked
-    at every CHECK_EVERY seconds, whether tokens come fast or not at all)."""
+    at every CHECK_EVERY seconds, whether tokens come fast or not at all, on another thread than the
+    event loop's). `seen`: the future of the connections open on arrival; until it is done, or if
+    it failed, the client is never gone (the rule errs late)."""
 
-    def __init__(self, waiter, watch: ClientWatch, seen: frozenset):
+    def __init__(self, waiter, watch: ClientWatch, seen: asyncio.Future):
         self.waiter, self.watch, self.seen = waiter, watch, seen
         self.looked = time.monotonic()
 
@@ -202,10 +206,15 @@ class _Events:
             now = time.monotonic()
             if now - self.looked >= CHECK_EVERY:
                 self.looked = now
-                if self.watch.gone(self.seen):
+                if await self._gone():
                     raise ClientGone("the client disconnected")
             if event is not None:
                 return event
+
+    async def _gone(self) -> bool:
+        if not self.seen.done() or self.seen.cancelled() or self.seen.exception() is not None:
+            return False
+        return await asyncio.to_thread(self.watch.gone, self.seen.result())
 
 
 def _headers(context, index: int) -> dict:

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tsbatch.handlers.edge.client_watch import ClientWatch, client_connections, parse_table
+from tsbatch.handlers.edge.client_watch import ClientWatch, client_connections, diag_rows, parse_table, proc_rows
 from tsbatch.handlers.edge.metrics import Metrics
 
 pytestmark = pytest.mark.unit
@@ -73,22 +73,55 @@ def test_a_watch_that_cannot_look_never_calls_anyone_gone():
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="Linux /proc only")
-def test_this_process_sees_its_own_listening_port_connections_open_and_then_closed():
+@pytest.mark.parametrize("rows", [diag_rows, proc_rows], ids=["sock_diag", "proc"])
+@pytest.mark.parametrize("family, host", [(socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")], ids=["ipv4", "ipv6"])
+def test_this_process_sees_its_own_listening_port_connections_open_and_then_closed(rows, family, host):
+    server = socket.socket(family)
+    try:
+        server.bind((host, 0))
+    except OSError:
+        server.close()
+        pytest.skip(f"no {host} here")
+    server.listen()
+    port = server.getsockname()[1]
+    others = [socket.create_connection((host, port)) for _ in range(2)]  # two more clients, one stays
+    client = socket.create_connection((host, port))
+    accepted = [server.accept()[0] for _ in range(3)]
+    try:
+        seen = client_connections(os.getpid(), rows)
+        mine = {c for c in seen if c[0] == port}
+        assert len(mine) == 3 and {c[2] for c in mine} == {s.getsockname()[1] for s in others + [client]}
+        assert not any(c[0] == client.getsockname()[1] for c in seen)  # the client's end is no listening port
+        watch = ClientWatch(lambda: client_connections(os.getpid(), rows), every=0.0)
+        own = frozenset(c for c in mine if c[2] == client.getsockname()[1])
+        assert not watch.gone(own)
+        client.close()
+        accepted[-1].close()  # the server closes its end once the client's end-of-file arrives, as Netty does
+        after = {c for c in client_connections(os.getpid(), rows) if c[0] == port}
+        assert after == mine - own and watch.gone(own) and not watch.gone(frozenset(mine))
+    finally:
+        for s in others + accepted:
+            s.close()
+        server.close()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="Linux /proc only")
+def test_sock_diag_and_proc_see_the_same_sockets():
+    """One look each way, here and now: the same listening and established sockets (ports, state, inode)."""
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen()
-    port = server.getsockname()[1]
-    client = socket.create_connection(("127.0.0.1", port))
+    client = socket.create_connection(server.getsockname())
     accepted, _ = server.accept()
     try:
-        seen = client_connections(os.getpid())
-        mine = {c for c in seen if c[0] == port}
-        assert len(mine) == 1 and next(iter(mine))[2] == client.getsockname()[1]
-        assert not any(c[0] == client.getsockname()[1] for c in seen)  # the client's end is no listening port
+        for state in ("0A", "01"):
+            diag = {(r[0], r[2], r[3], r[4]) for r in diag_rows(socket.AF_INET, state)}
+            proc = {(r[0], r[2], r[3], r[4]) for r in proc_rows(socket.AF_INET, state)}
+            mine = {r for r in proc if server.getsockname()[1] in (r[0], r[1])}
+            assert mine and mine <= diag
+    finally:
         client.close()
         accepted.close()
-        assert not {c for c in client_connections(os.getpid()) if c[0] == port}
-    finally:
         server.close()
 
 
