@@ -14,7 +14,10 @@ From a generation profile (warmup/generation_profile.py) and two targets:
     within the budget and the seats left; its cost is the p90 of d decodes plus the p90s of its
     prefills, each a measured shape (made monotone in work first, as the encoder's tuner does). A
     step's first prefill joins whatever the budget, so the shortest prompt beside max_running - 1
-    decodes must meet the TTFT target too (max_running is lowered until it does). Budgets past what the profile measured
+    decodes must meet the TTFT target too (max_running is lowered until it does). With prefill_apart
+    (the default) the prefills run in a step of their own and the running sequences decode in the
+    next: a joining request then waits at most the decode step in flight and its own prefills, a
+    running sequence both, so the same sum bounds either. Budgets past what the profile measured
     are never chosen: no timing is invented;
   startupTimeout: twice the profile's load + warmup, at least the template's.
 What applies is taken from tune.py (async mode's frontend keys, workers for the machine, the

@@ -4,9 +4,12 @@
 prefilled and join, in turn by priority class then arrival, while the step's tokens stay within
 `token_budget` (a decode feeds one token, a prefill its whole context padded to its length edge,
 `prefill_edges`; a step's first prefill may pass it, else a long prompt could never run) and the
-KV-cache tokens live after the step within `kv_bound`. Counted padded, every prefill the engine
-runs (one per edge: rows x edge) is a shape of warmup/generation_profile.prefill_shapes, so
-warmup can run each one before READY. What no longer fits is preempted: the lowest priority
+KV-cache tokens live after the step within `kv_bound`. With `prefill_apart` (the default) a step
+that prefills anyone runs only its prefills, and the step after it decodes every running sequence
+and lets nobody join: a joining request's first token then waits for no decode, and a running
+sequence waits one prefill between two tokens either way (`make bench-generate BENCH_ARGS=--mixed`
+measures both). Counted padded, every prefill the engine runs (one per edge: rows x edge) is a
+shape of warmup/generation_profile.prefill_shapes, so warmup can run each one before READY. What no longer fits is preempted: the lowest priority
 first, then the youngest (last to join); it goes back to waiting and is recomputed from its
 prompt and the tokens it already has. A high-priority request may preempt lower classes to join.
 `finished(plan, outcome, now)` settles the step: a sequence leaves at end-of-sequence or at its
@@ -109,6 +112,7 @@ class GenerationSettings:
     preempt_for_priority: bool = True  # a waiting request may preempt running ones of a lower class
     oom_backoff: float = 0.9  # out of memory: kv_bound becomes at most this share of the failed step's tokens
     prefill_edges: tuple[int, ...] = ()  # lengths a prefill pads its contexts to (ascending); (): to each context's own
+    prefill_apart: bool = True  # joining sequences prefill in a step of their own, and the next step decodes
 
     def padded(self, context: int) -> int:
         """What prefilling a context of `context` tokens costs in the token budget: the edge it pads
@@ -185,6 +189,7 @@ class GenerationPolicy:
         self.running: list[Seq] = []
         self.preemptions = 0
         self.out_of_memory_steps = 0
+        self.prefilled_apart = False  # the last plan prefilled without decoding: the next one decodes
 
     def __len__(self) -> int:
         return len(self.waiting) + len(self.running)
@@ -244,7 +249,9 @@ class GenerationPolicy:
         tokens = len(decode)
         prefill: list[Seq] = []
         aging = self.settings.priority_aging
-        for seq in sorted(self.waiting, key=lambda s: (s.effective_priority(now, aging), s.request.arrived)):
+        # after a step of prefills alone the running sequences (those joined in it too) decode before anyone joins
+        joining = self.waiting if not (self.prefilled_apart and decode) else []
+        for seq in sorted(joining, key=lambda s: (s.effective_priority(now, aging), s.request.arrived)):
             if seq in preempted:  # not back in the same step it lost its seat
                 continue
             cost = self.settings.padded(seq.context)  # the step's prefills cost rows x edge per edge
@@ -268,6 +275,10 @@ class GenerationPolicy:
             prefill.append(seq)
             kv += seq.context
             tokens += cost
+        self.prefilled_apart = bool(self.settings.prefill_apart and prefill and decode)
+        if self.prefilled_apart:  # they wait one prefill either way; the joining ones need not wait for their decode
+            tokens -= len(decode)
+            decode = []
         return StepPlan(tuple(decode), tuple(prefill), tuple(preempted), tuple(expired), tuple(refused), tokens, kv)
 
     def finished(self, plan: StepPlan, outcome: StepOutcome, now: float) -> list[Seq]:

@@ -79,6 +79,8 @@ class GenerationConfig:
                                      POSITIVE_INT)
     preempt_for_priority: bool = _setting(True, "a waiting request may preempt running ones of a lower class "
                                                "(recomputed later)", BOOL)
+    prefill_apart: bool = _setting(True, "joining requests prefill in a step of their own and the next step decodes "
+                                         "(false: they prefill in the running sequences' decode step)", BOOL)
     deadline_ms: int = _setting(120000, "the longest a request may take in all (504 past it); X-Deadline-Ms or "
                                        "X-Deadline-At may only shorten it", POSITIVE_INT)
     warmup: bool = _setting(True, "run every prefill shape and decode batch size the engine forms in initialize(), "
@@ -116,7 +118,8 @@ class GenerationConfig:
         kv_bound = self.kv_bound if kv_bound is None else min(self.kv_bound, kv_bound)
         return GenerationSettings(token_budget=self.token_budget, kv_bound=kv_bound, max_running=self.max_running,
                                 queue_cap=self.queue_cap, priority_aging=self.priority_aging_ms / 1000,
-                                preempt_for_priority=self.preempt_for_priority, prefill_edges=prefill_edges)
+                                preempt_for_priority=self.preempt_for_priority, prefill_edges=prefill_edges,
+                                prefill_apart=self.prefill_apart)
 
 
 def kv_bound_for(free_bytes: int, bytes_per_token: int, share: float) -> int:

@@ -30,7 +30,9 @@ class Clock:
 
 
 def policy(**overrides) -> GenerationSettings:
-    values = dict(token_budget=64, kv_bound=1000, max_running=8, queue_cap=16)
+    """The rules of one step are tested with prefills in the running sequences' decode step; the
+    alternation that ships (prefill_apart) has tests of its own below."""
+    values = dict(token_budget=64, kv_bound=1000, max_running=8, queue_cap=16, prefill_apart=False)
     values.update(overrides)
     return GenerationSettings(**values)
 
@@ -76,6 +78,40 @@ def test_waiting_requests_join_in_turn_and_running_ones_decode_every_step():
     assert rids(plan.decode) == ["a"] and rids(plan.prefill) == ["b"]
     assert plan.tokens == 1 + 5  # a decode feeds one token, a prefill its whole prompt
     assert plan.kv_tokens == (3 + 1) + 5
+
+
+def test_joining_requests_prefill_in_a_step_of_their_own_and_the_next_step_decodes_every_running_one():
+    clock, s = Clock(), GenerationPolicy(policy(prefill_apart=True))
+    s.submit(ask("a", prompt=3, at=0.0))
+    plan, _ = step(s, clock)
+    assert rids(plan.prefill) == ["a"] and plan.decode == ()  # nothing ran before: a prefill, as ever
+    s.submit(ask("b", prompt=5, at=clock.now))
+    plan = s.schedule(clock.tick())
+    assert rids(plan.prefill) == ["b"] and plan.decode == ()  # "a" waits out b's prefill, not b for a's decode
+    assert plan.tokens == 5 and plan.kv_tokens == (3 + 1) + 5  # a still holds its cache
+    s.finished(plan, ran(plan), clock.tick())
+    a, b = s.running
+    assert len(a.tokens) == 1 and len(b.tokens) == 1 and a.status is b.status is Status.RUNNING
+    s.submit(ask("c", prompt=2, at=clock.now))
+    plan, _ = step(s, clock)
+    assert rids(plan.decode) == ["a", "b"] and plan.prefill == ()  # after a prefill step: a decode, c waits one
+    plan, _ = step(s, clock)
+    assert rids(plan.prefill) == ["c"] and plan.decode == ()
+    plan, _ = step(s, clock)
+    assert rids(plan.decode) == ["a", "b", "c"] and [len(q.tokens) for q in plan.decode] == [3, 3, 2]
+
+
+def test_a_prefill_step_of_its_own_still_preempts_for_priority():
+    clock, s = Clock(), GenerationPolicy(policy(prefill_apart=True, max_running=2))
+    s.submit(ask("low", at=0.0, priority=Priority.LOW))
+    s.submit(ask("other", at=0.001, priority=Priority.LOW))  # the younger
+    step(s, clock)
+    s.submit(ask("high", at=clock.now, priority=Priority.HIGH))
+    plan = s.schedule(clock.tick())
+    assert rids(plan.preempted) == ["other"] and rids(plan.prefill) == ["high"] and plan.decode == ()
+    s.finished(plan, ran(plan), clock.tick())
+    plan, _ = step(s, clock)
+    assert rids(plan.decode) == ["low", "high"] and plan.prefill == ()  # "other" waits for a seat
 
 
 def test_prefills_stop_at_the_token_budget_but_one_prefill_may_exceed_it():
@@ -451,8 +487,9 @@ def test_past_the_last_edge_a_context_costs_itself_and_edges_must_ascend():
             policy(prefill_edges=edges)
 
 
+@pytest.mark.parametrize("apart", [True, False], ids=["apart", "mixed"])
 @pytest.mark.parametrize("seed", range(6))
-def test_no_step_forms_a_prefill_warmup_did_not_plan(seed):
+def test_no_step_forms_a_prefill_warmup_did_not_plan(seed, apart):
     """Random arrivals, prompt lengths, priorities, lengths and out-of-memory steps: every prefill
     of every plan, grouped by edge as the engine runs it, is a shape of prefill_shapes."""
     import random
@@ -466,7 +503,7 @@ def test_no_step_forms_a_prefill_warmup_did_not_plan(seed):
     planned = {(shape.batch, shape.bucket) for shape in prefill_shapes(edges, running, budget)}
     clock = Clock()
     s = GenerationPolicy(policy(token_budget=budget, max_running=running, kv_bound=rng.choice((600, 4000)),
-                                queue_cap=64, prefill_edges=edges))
+                                queue_cap=64, prefill_edges=edges, prefill_apart=apart))
     formed, grouped = set(), 0
     for step in range(300):
         for _ in range(rng.choice((0, 0, 0, 0, 0, 1, 3))):
