@@ -9,7 +9,9 @@ Arms, one torchserve each, all up for the whole run (an idle one costs nothing),
   of prompt tokens x new tokens, its prompt buckets reaching 400 tokens, caps of 8, the template's
   other values, warmup off: profiling or warming every bucket and batch size takes minutes here);
 - continuous (c): bench/controls/control_generate_continuous.py, TorchServe's documented
-  continuous-batching pattern (batchSize 16, maxBatchDelay 5 ms).
+  continuous-batching pattern (batchSize 16, maxBatchDelay 5 ms);
+- mixed (with --mixed): the first arm with `handler.prefill_apart: false`, prefills sharing the
+  running sequences' decode step (what the engine did before the alternation that ships).
 The model: a random GPT-2 made here (make_lm), greedy, no end-of-sequence token (every answer is
 as long as its ask). The mix: bench/generate_mix.py (prompts of 8-400 tokens; most asks for 8-32
 new tokens, some for 256), drawn from one pool whose answers alone are computed in process first.
@@ -155,6 +157,7 @@ def main() -> None:
     parser.add_argument("--saturation-factor", type=float, default=2.0)
     parser.add_argument("--saturation-seconds", type=float, default=12)
     parser.add_argument("--timeout", type=float, default=180)
+    parser.add_argument("--mixed", action="store_true", help="one more arm: the engine with prefill_apart off")
     parser.add_argument("--quick", action="store_true", help="a few seconds per window: a smoke run (no report)")
     parser.add_argument("--out", default=os.path.join(REPO, "bench", "results", "generate"))
     args = parser.parse_args()
@@ -169,7 +172,7 @@ def main() -> None:
     model_dir = make_lm(os.path.join(root, "model"))
     pool = mix.make_pool(args.pool, args.long_share)
     t0 = time.monotonic()
-    built = build(root, model_dir)
+    built = build(root, model_dir, mixed=args.mixed)
     build_s = time.monotonic() - t0
     t0 = time.monotonic()
     references = alone_answers(model_dir, pool)
@@ -190,7 +193,7 @@ def main() -> None:
         "model": {**MODEL, "kind": "random GPT-2, no end-of-sequence token, MiniLM WordPiece tokenizer"},
         "mix": {"prompt_tokens": mix.PROMPT_TOKENS, "short_new": mix.SHORT_NEW, "long_new": mix.LONG_NEW,
                 "long_share": args.long_share, "pool": args.pool},
-        "arms": LABELS, "frontends": {"fifo": FIFO_FRONTEND, "continuous": CONTINUOUS_FRONTEND},
+        "arms": {arm: LABELS[arm] for arm in built}, "frontends": {"fifo": FIFO_FRONTEND, "continuous": CONTINUOUS_FRONTEND},
         "lone": lone_figures, "fifo_capacity": cap, "sweep": sweep, "rate70": rate70, "ttft": ttft, "saturation": saturation,
         "tally": {arm: t.as_dict() for arm, t in run.tally.items()}, "windows": run.log,
     }

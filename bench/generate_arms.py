@@ -38,7 +38,10 @@ LABELS = {
     "fifo": "(a) TorchServe batching, batchSize 8, maxBatchDelay 20 ms, one generate() per batch",
     "bucketed": "(b) examples/generate, buckets of (prompt, new tokens) up to 400 x 256, batch cap 8, --no-tune, no warmup",
     "continuous": "(c) TorchServe continuous batching (documented pattern), batchSize 16, maxBatchDelay 5 ms",
+    "mixed": "tsbatch's engine as the first arm but `handler.prefill_apart: false` (joining requests prefill in the "
+             "running sequences' decode step; with --mixed only)",
 }
+MIXED_CONFIG = "# bench/generate.py --mixed: prefills share the decode step\nhandler:\n  prefill_apart: false\n"
 
 
 def make_lm(out: str, seed: int = 0) -> str:
@@ -94,8 +97,9 @@ def _cli_archive(root: str, arm: str, model_dir: str, extra: list[str]) -> serve
                          f"http://127.0.0.1:{ports[2]}", paths, store, os.path.join(store, "config.properties"))
 
 
-def build(root: str, model_dir: str) -> dict:
-    """Every arm's archive: the two tsbatch ones through the CLI, the two controls with build_archive."""
+def build(root: str, model_dir: str, mixed: bool = False) -> dict:
+    """Every arm's archive: the tsbatch ones through the CLI, the two controls with build_archive;
+    `mixed`: also the engine with prefill_apart off."""
     handler_config = os.path.join(root, "bucketed.yaml")
     with open(handler_config, "w") as f:
         f.write(BUCKETED_CONFIG)
@@ -105,6 +109,12 @@ def build(root: str, model_dir: str) -> dict:
             "--handler", os.path.join(EXAMPLE, "gen_handler.py"), "--extra-files", os.path.join(EXAMPLE, "gen_model.py"),
             "--handler-config", handler_config, "--no-tune"]),
     }
+    if mixed:
+        mixed_config = os.path.join(root, "mixed.yaml")
+        with open(mixed_config, "w") as f:
+            f.write(MIXED_CONFIG)
+        built["mixed"] = _cli_archive(root, "mixed", model_dir, ["--task", "generation", "--no-tune",
+                                                                 "--handler-config", mixed_config])
     for arm, frontend, handler in (("fifo", FIFO_FRONTEND, "bench/controls/control_generate_fifo.py"),
                                    ("continuous", CONTINUOUS_FRONTEND, "bench/controls/control_generate_continuous.py")):
         store = os.path.join(root, f"{arm}-store")
@@ -132,14 +142,15 @@ class Arms:
             raise
 
     def _start(self) -> "Arms":
-        for arm in ("tsbatch", "bucketed"):
+        cli = [arm for arm in ("tsbatch", "bucketed", "mixed") if arm in self.built]  # archives with their own ports
+        for arm in cli:
             served = self.built[arm]
             server.start(served.properties, served.store, served.paths)
             self._stack.callback(server.stop, served.paths)
         for arm in ("fifo", "continuous"):
             served = self._stack.enter_context(server.local_server(os.path.join(self.root, arm), self.built[arm], [NAME], timeout=180))
             self.urls[arm] = f"{served.inference}/predictions/{NAME}"
-        for arm in ("tsbatch", "bucketed"):
+        for arm in cli:
             served = self.built[arm]
             server.wait_ready(served.management, NAME, 300, log_hint=f"; see {served.paths.logs}")
             self.urls[arm] = f"{served.inference}/predictions/{NAME}"
