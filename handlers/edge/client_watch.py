@@ -21,10 +21,12 @@ Where /proc cannot be read (not Linux, or the parent is not the frontend) nothin
 
 How it looks: the kernel's sock_diag netlink interface, asked for listening and for established
 TCP sockets only. /proc/net/tcp prints every bucket of the connection table: 6.6 ms a look (both
-tables) on the test VM, whose table has 262,144 buckets, taken on the worker's event loop for every
-arrival and every 0.2 s; sock_diag filters by state in the kernel (about 1 ms for established
-sockets of one address family, 0.02 ms for listening ones). Where netlink is refused, /proc is
-read instead; one watch keeps one way of looking, so looks compare like with like.
+tables) on the test VM idle, 7.3 ms under load, whose table has 262,144 buckets; the handler used
+to take one on the worker's event loop at every arrival and every 0.2 s (docs/experiments.md,
+12-05 00:00). sock_diag filters by state in the kernel (about 1 ms for established sockets of one
+address family, 0.02 ms for listening ones), and the handler now looks on a thread. Where netlink
+is refused, /proc is read instead; one watch keeps one way of looking, so looks compare like with
+like (the two write addresses differently).
 """
 from __future__ import annotations
 
