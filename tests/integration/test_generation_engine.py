@@ -112,7 +112,8 @@ class Collector:
         self.done.set()
 
 
-def test_sequences_joining_and_leaving_at_different_steps_each_get_what_they_get_alone(runner, eos):
+@pytest.mark.parametrize("apart", [True, False], ids=["prefill-apart", "prefill-in-decode-step"])
+def test_sequences_joining_and_leaving_at_different_steps_each_get_what_they_get_alone(runner, eos, apart):
     texts = prompts(6, seed=1)
     news = [3, 12, 7, 20, 5, 16]
     reference = [alone(runner, p, n) for p, n in zip(texts, news)]
@@ -121,18 +122,25 @@ def test_sequences_joining_and_leaving_at_different_steps_each_get_what_they_get
     runner.eos_ids = frozenset({stopper})
     reference = [alone(runner, p, n) for p, n in zip(texts, news)]
     assert 2 <= len(reference[3]) < news[3] and any(len(r) == n for r, n in zip(reference, news))
-    engine = engine_for(runner)
+    engine = engine_for(runner, prefill_apart=apart)
     requests = [ask(f"r{i}", p, n) for i, (p, n) in enumerate(zip(texts, news))]
     seqs = {}
-    plans = []
+    plans, running = [], []
     for i in range(60):
         for j in {0: [0, 1], 2: [2], 3: [3], 6: [4, 5]}.get(i, []):
             seqs[j] = engine.submit(requests[j])
+        running.append(len(engine.policy.running))
         plans.append(engine.step())
     assert [seqs[i].tokens for i in range(6)] == reference
     assert all(s.status is Status.FINISHED for s in seqs.values()) and seqs[3].stop == "eos"
     assert max(len(p.decode) for p in plans if p) >= 4  # real batches, with joins while others decode
-    assert any(p.decode and p.prefill for p in plans if p)
+    joined_while_running = [i for i, p in enumerate(plans) if p and p.prefill and running[i]]
+    assert joined_while_running  # sequences joined while others were mid-answer: in their step, or just before it
+    if apart:
+        assert not any(p.decode and p.prefill for p in plans if p)
+        assert all(plans[i + 1].decode and not plans[i + 1].prefill for i in joined_while_running)
+    else:
+        assert any(p.decode and p.prefill for p in plans if p)
     assert len({s.ended_at for s in seqs.values()}) >= 4  # they left at different steps
     assert engine.caches == {}  # nobody's cache outlives it
 
