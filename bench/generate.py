@@ -193,7 +193,8 @@ def main() -> None:
         "model": {**MODEL, "kind": "random GPT-2, no end-of-sequence token, MiniLM WordPiece tokenizer"},
         "mix": {"prompt_tokens": mix.PROMPT_TOKENS, "short_new": mix.SHORT_NEW, "long_new": mix.LONG_NEW,
                 "long_share": args.long_share, "pool": args.pool},
-        "arms": {arm: LABELS[arm] for arm in built}, "frontends": {"fifo": FIFO_FRONTEND, "continuous": CONTINUOUS_FRONTEND},
+        "arms": {arm: LABELS[arm] for arm in built},
+        "frontends": {"fifo": FIFO_FRONTEND, "continuous": CONTINUOUS_FRONTEND},
         "lone": lone_figures, "fifo_capacity": cap, "sweep": sweep, "rate70": rate70, "ttft": ttft, "saturation": saturation,
         "tally": {arm: t.as_dict() for arm, t in run.tally.items()}, "windows": run.log,
     }

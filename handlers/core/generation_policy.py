@@ -9,9 +9,10 @@ that prefills anyone runs only its prefills, and the step after it decodes every
 and lets nobody join: a joining request's first token then waits for no decode, and a running
 sequence waits one prefill between two tokens either way (`make bench-generate BENCH_ARGS=--mixed`
 measures both). Counted padded, every prefill the engine runs (one per edge: rows x edge) is a
-shape of warmup/generation_profile.prefill_shapes, so warmup can run each one before READY. What no longer fits is preempted: the lowest priority
-first, then the youngest (last to join); it goes back to waiting and is recomputed from its
-prompt and the tokens it already has. A high-priority request may preempt lower classes to join.
+shape of warmup/generation_profile.prefill_shapes, so warmup can run each one before READY. What
+no longer fits is preempted: the lowest priority first, then the youngest (last to join); it goes
+back to waiting and is recomputed from its prompt and the tokens it already has. A high-priority
+request may preempt lower classes to join.
 `finished(plan, outcome, now)` settles the step: a sequence leaves at end-of-sequence or at its
 `max_new_tokens`; one whose step raised or gave NaN fails alone; out of memory lowers `kv_bound`
 (learned, only ever down), and the next plan preempts down to it. Requests past their deadline
