@@ -17,6 +17,9 @@ as long as its ask). The mix: bench/generate_mix.py (prompts of 8-400 tokens; mo
 new tokens, some for 256), drawn from one pool whose answers alone are computed in process first.
 
 One run, open-loop Poisson arrivals, arms in turns:
+0. Alone, one request in flight: a short and a long ask twice each, then every short ask of the
+   pool twice, streamed: the floor of the short asks' time to first token, which no scheduler
+   beats on this machine (the first criterion says it beside its target).
 1. (a)'s capacity: a short geometric rate sweep (whole answers), then one bisection; a rate
    passes when every request is answered 200 and the p99 of whole answers is within --target-ms.
 2. At 70% of it, every arm in turns for --rounds windows of streamed asks: short-ask time to first
@@ -133,6 +136,19 @@ def lone(urls: dict[str, str], pool: list[mix.Ask], references: dict, tally: dic
     return out
 
 
+def floors(urls: dict[str, str], pool: list[mix.Ask], references: dict, tally: dict) -> dict:
+    """Each arm with one request in flight: every short ask of the pool, streamed, twice (its best
+    counts): the time to first token no scheduler can beat on this machine (mix.floor)."""
+    sample = [a for a in pool if a.kind == "short"] * 2
+    out = {}
+    for arm, url in urls.items():
+        answers = one_by_one(url, sample, True)
+        tally[arm].add(answers, references)
+        out[arm] = mix.floor(answers)
+        print(f"floor {arm}: {out[arm]}", flush=True)
+    return out
+
+
 def warm(urls: dict[str, str], pool: list[mix.Ask]) -> None:
     """A few asks one by one on every arm before anything is timed (first calls pay for lazy set-up)."""
     sample = [a for a in pool if a.kind == "short"][:3] + [a for a in pool if a.kind == "long"][:1]
@@ -182,6 +198,7 @@ def main() -> None:
         warm(arms.urls, pool)
         run = Run(arms.urls, pool, references, args)
         lone_figures = lone(arms.urls, pool, references, run.tally)
+        floor_figures = floors(arms.urls, pool, references, run.tally)
         cap, sweep = run.capacity_of_fifo()
         print(f"(a)'s capacity: {cap} req/s", flush=True)
         rate70 = round(0.7 * cap, 2) if cap else args.start_rate * 0.7
@@ -195,12 +212,13 @@ def main() -> None:
                 "long_share": args.long_share, "pool": args.pool},
         "arms": {arm: LABELS[arm] for arm in built},
         "frontends": {"fifo": FIFO_FRONTEND, "continuous": CONTINUOUS_FRONTEND},
-        "lone": lone_figures, "fifo_capacity": cap, "sweep": sweep, "rate70": rate70, "ttft": ttft, "saturation": saturation,
+        "lone": lone_figures, "floor": floor_figures, "fifo_capacity": cap, "sweep": sweep, "rate70": rate70, "ttft": ttft, "saturation": saturation,
         "tally": {arm: t.as_dict() for arm, t in run.tally.items()}, "windows": run.log,
     }
     checks = mix.criteria({arm: p["short"]["ttft_p99"] for arm, p in ttft.items()},
                           {arm: s["output_tokens_per_s"] for arm, s in saturation.items()},
-                          {arm: t.lost for arm, t in run.tally.items()}, report["tally"])
+                          {arm: t.lost for arm, t in run.tally.items()}, report["tally"],
+                          floors={arm: f["ttft_p99"] for arm, f in floor_figures.items()})
     report["criteria"] = [vars(c) for c in checks]
     print("\n".join(c.line() for c in checks), flush=True)
     if args.quick:

@@ -27,6 +27,12 @@ def markdown(r: dict, checks: list) -> str:
         "| arm | short ask TTFT | short ask whole | 256-token ask TTFT | 256-token ask whole |", "|---|---|---|---|---|",
         *[f"| {arm} | {_f(x['short']['ttft_ms'])} ms | {_f(x['short']['whole_ms'])} ms | {_f(x['long']['ttft_ms'])} ms | "
           f"{_f(x['long']['whole_ms'])} ms |" for arm, x in r["lone"].items()], "",
+        "## The floor: every short ask of the pool alone, streamed (best of two each)", "",
+        "What no scheduler can beat here: the time to first token of each short ask with no company, over the "
+        "pool's short asks (its p99 is set by the longest prompts' prefill).", "",
+        "| arm | asks | short TTFT p50 | short TTFT p99 | slowest ask's prompt |", "|---|---|---|---|---|",
+        *[f"| {arm} | {x['asks']} | {_f(x['ttft_p50'])} ms | {_f(x['ttft_p99'])} ms | "
+          f"{_f(x['slowest_prompt_tokens'])} tokens |" for arm, x in r.get("floor", {}).items()], "",
         f"## (a)'s capacity: {r['fifo_capacity']:g} req/s", "",
         f"A rate passes when every request is answered 200 and whole answers' p99 is within {a['target_ms']:g} ms; "
         f"windows of {a['sweep_seconds']:g} s, geometric steps of {a['factor']:g}x, then one bisection. Capacity: the "

@@ -124,6 +124,29 @@ def test_criteria_read_the_figures():
     assert [c.passed for c in missing] == [None] * 4 and missing[0].line().startswith("- **NOT MEASURED**")
 
 
+def test_the_floor_is_each_short_asks_best_alone():
+    short, other, long_ = mix.Ask(0, "a", 300, 8), mix.Ask(1, "b", 9, 20), mix.Ask(2, "c", 40, 256)
+    answers = [answer(short, "x", True, first=0.040), answer(short, "x", True, first=0.030),  # best of two: 30 ms
+               answer(other, "x", True, first=0.012), answer(other, "x", True, first=0.015),
+               answer(long_, "x", True, first=0.500),  # a long ask is no short ask's floor
+               answer(other, "{}", True, status=503, first=0.001)]  # nor is a refusal
+    floor = mix.floor(answers)
+    assert floor["asks"] == 2 and floor["slowest_prompt_tokens"] == 300
+    assert floor["ttft_p50"] in (12.0, 30.0) and floor["ttft_p99"] == 30.0
+    assert mix.floor([]) == {"asks": 0, "ttft_p50": None, "ttft_p99": None, "slowest_prompt_tokens": None}
+
+
+def test_the_ttft_criterion_says_the_floor_beside_its_target():
+    eq = {"tsbatch": {"compared": 4, "differ": 0, "stream_compared": 2, "whole_compared": 2}}
+    figures = ({"tsbatch": 60.0, "continuous": 54.0}, {"tsbatch": 900.0, "fifo": 400.0}, {"tsbatch": 0}, eq)
+    below = mix.criteria(*figures, floors={"tsbatch": 30.0})[0]
+    assert below.passed is False and "alone" in below.detail and "30 ms" in below.detail
+    assert "target 18 ms is below what any scheduler can give here" in below.detail
+    within = mix.criteria(*figures, floors={"tsbatch": 10.0})[0]
+    assert "within the target 18 ms" in within.detail
+    assert "alone" not in mix.criteria(*figures)[0].detail
+
+
 def test_tally_counts_streamed_and_whole_comparisons_apart():
     tally = mix.Tally()
     tally.add([answer(ASK, streamed((5, 6, 7), "a b c"), True), answer(ASK, whole("a b c", 3)),
