@@ -188,19 +188,30 @@ def line(body: Mapping[str, Any]) -> str:
 
 
 class TextStream:
-    """A growing token list's text, piece by piece: each piece is what decoding all tokens so far
-    adds to the text handed out. Where a later token changes earlier text the piece is empty; the
-    final line of a stream carries the whole text either way."""
+    """A growing token list's text, piece by piece: each piece is what the newest token adds to the
+    text of the few tokens before it. Only a window of the last tokens is decoded at each token:
+    decoding them all cost a long answer quadratic time on the event loop that sends every stream's
+    tokens. Text ending in an incomplete character (U+FFFD: a byte-level token that needs the next
+    one) waits for the token that completes it. Where a later token changes text already handed out
+    (a tokenizer's clean-up across tokens), that piece is empty and the stream goes on from the new
+    text. The final line of a stream carries the whole text either way."""
+
+    WINDOW = 8  # tokens decoded before the newest ones (the window slides when it is twice this)
 
     def __init__(self, decode):
         self.decode = decode  # token ids -> text
         self.tokens: list[int] = []
-        self.sent = ""
+        self.start = 0  # the window's first token
+        self.shown = ""  # the window's text handed out so far
 
     def add(self, token: int) -> str:
         self.tokens.append(token)
-        text = self.decode(self.tokens)
-        if not text.startswith(self.sent):
-            return ""  # the text so far changed under a later token: the final line carries it whole
-        piece, self.sent = text[len(self.sent):], text
+        text = self.decode(self.tokens[self.start:])
+        if text.endswith("\ufffd"):
+            return ""
+        piece = text[len(self.shown):] if text.startswith(self.shown) else ""
+        self.shown = text
+        if len(self.tokens) - self.start >= 2 * self.WINDOW:
+            self.start = len(self.tokens) - self.WINDOW
+            self.shown = self.decode(self.tokens[self.start:])
         return piece

@@ -442,6 +442,44 @@ def test_a_stream_hands_out_text_pieces_that_join_to_the_whole_text():
     stream = TextStream(decode)
     pieces = [stream.add(t) for t in (1, 2, 3)]
     assert pieces == ["he", "llo", " world"] and "".join(pieces) == decode([1, 2, 3])
+    long_answer = [1, 2, 3] * 100  # past the window many times: it slides, and the pieces still join
+    stream = TextStream(decode)
+    assert "".join(stream.add(t) for t in long_answer) == decode(long_answer)
+
+
+def test_a_stream_decodes_a_window_of_tokens_not_the_whole_answer_at_each_token():
+    from tsbatch.handlers.edge.generation_api import TextStream
+
+    decoded = []
+
+    def decode(tokens):
+        decoded.append(len(tokens))
+        return "".join(f" w{t}" for t in tokens)
+
+    stream = TextStream(decode)
+    pieces = [stream.add(t) for t in range(1000)]
+    assert "".join(pieces) == decode(list(range(1000)))
+    assert max(decoded[:-1]) <= 2 * TextStream.WINDOW  # the whole answer once, above: not at each token
+    assert sum(decoded[:-1]) < 30 * 1000  # linear in the answer's length (all of it each time: 500,500)
+
+
+def test_a_stream_holds_an_incomplete_character_and_goes_on_after_a_change():
+    from tsbatch.handlers.edge.generation_api import TextStream
+
+    def utf8(tokens):  # byte-level: token 0xC3 alone is half of "é"
+        return bytes(tokens).decode("utf-8", errors="replace")
+
+    stream = TextStream(utf8)
+    assert [stream.add(t) for t in (ord("a"), 0xC3, 0xA9, ord("b"))] == ["a", "", "é", "b"]
+
+    words = {1: "it", 2: "'", 3: "s", 4: "fine"}
+
+    def cleaned(tokens):  # a clean-up across tokens: "it ' s" -> "it's"
+        return " ".join(words[t] for t in tokens).replace(" ' ", "'")
+
+    stream = TextStream(cleaned)
+    pieces = [stream.add(t) for t in (1, 2, 3, 4)]
+    assert pieces == ["it", " '", "", " fine"]  # the change is not handed out; the stream does not go silent
 
 
 def test_the_generation_settings_name_a_misspelt_key_and_check_the_policy_at_load():
