@@ -45,7 +45,7 @@ sys.path.insert(0, REPO)
 
 from bench import generate_mix as mix  # noqa: E402
 from bench.generate_client import one_by_one, open_loop  # noqa: E402
-from bench.generate_report import markdown  # noqa: E402
+from bench.generate_report import criteria, markdown  # noqa: E402
 from bench.loadtest.arrivals import poisson_arrivals  # noqa: E402
 from bench.loadtest.report import load_average, machine, utc_now, write  # noqa: E402
 from bench.loadtest.sweep import rotated  # noqa: E402
@@ -215,7 +215,7 @@ def main() -> None:
         "lone": lone_figures, "floor": floor_figures, "fifo_capacity": cap, "sweep": sweep, "rate70": rate70, "ttft": ttft, "saturation": saturation,
         "tally": {arm: t.as_dict() for arm, t in run.tally.items()}, "windows": run.log,
     }
-    checks = mix.criteria({arm: p["short"]["ttft_p99"] for arm, p in ttft.items()},
+    checks = criteria({arm: p["short"]["ttft_p99"] for arm, p in ttft.items()},
                           {arm: s["output_tokens_per_s"] for arm, s in saturation.items()},
                           {arm: t.lost for arm, t in run.tally.items()}, report["tally"],
                           floors={arm: f["ttft_p99"] for arm, f in floor_figures.items()})

@@ -1,5 +1,5 @@
-"""bench/generate.py's pure parts: the mix of asks, what one answer was, what a window's figures are,
-and the issue's criteria read from them (#37). No torch, no sockets, no clock: unit-tested.
+"""bench/generate.py's pure parts: the mix of asks, what one answer was, what a window's figures are
+(#37). No torch, no sockets, no clock: unit-tested.
 
 The mix: prompts of 8-400 tokens, log-uniform (most prompts are short, a few fill the range); most
 asks want 8-32 new tokens (uniform), a `long_share` of them 256. Prompts are random common words, one
@@ -220,66 +220,6 @@ def bisect_rate(points: list[dict], target_ms: float) -> float | None:
     if not above or best <= 0:
         return None
     return round((best + above[0]) / 2, 2)
-
-
-@dataclass
-class Criterion:
-    name: str
-    passed: bool | None  # None: could not be measured
-    detail: str
-
-    def line(self) -> str:
-        mark = "PASS" if self.passed else ("MISS" if self.passed is False else "NOT MEASURED")
-        return f"- **{mark}** {self.name}: {self.detail}"
-
-
-CONTROLS = ("fifo", "bucketed", "continuous")
-
-
-def criteria(ttft: dict, saturation: dict, lost_by_arm: dict, equality: dict, arm: str = "tsbatch",
-             floors: dict | None = None) -> list[Criterion]:
-    """The issue's four checks from the measured figures.
-
-    ttft: arm -> short-ask TTFT p99 (ms) at 70% of the FIFO control's capacity; saturation: arm ->
-    output tokens/s; lost_by_arm: arm -> requests without a complete answer (all windows); equality:
-    arm -> {"compared": n, "differ": n, "stream_compared": n, "whole_compared": n}; floors: arm -> the
-    same asks' TTFT p99 alone (`floor`), said beside the first check when given."""
-    out = []
-    controls = {c: ttft.get(c) for c in CONTROLS if ttft.get(c) is not None}
-    mine = ttft.get(arm)
-    if mine is None or not controls:
-        out.append(Criterion("short-ask TTFT p99 at 70% of (a)'s capacity <= 1/3 of the best control's", None,
-                             "no figure"))
-    else:
-        best = min(controls, key=controls.get)
-        ratio = mine / controls[best]
-        detail = f"{mine:.0f} ms vs {controls[best]:.0f} ms ({best}): ratio {ratio:.3f} (needs <= 0.333)"
-        alone = (floors or {}).get(arm)
-        if alone is not None:
-            target = controls[best] / 3
-            detail += (f"; alone, one request in flight, the same asks' p99 is {alone:.0f} ms: "
-                       + (f"the target {target:.0f} ms is below what any scheduler can give here" if alone > target
-                          else f"within the target {target:.0f} ms"))
-        out.append(Criterion("short-ask TTFT p99 at 70% of (a)'s capacity <= 1/3 of the best control's",
-                             ratio <= 1 / 3, detail))
-    if saturation.get(arm) is None or not saturation.get("fifo"):
-        out.append(Criterion("output tokens/s at saturation >= 2x (a)'s", None, "no figure"))
-    else:
-        ratio = saturation[arm] / saturation["fifo"]
-        out.append(Criterion("output tokens/s at saturation >= 2x (a)'s", ratio >= 2,
-                             f"{saturation[arm]:.0f} vs {saturation['fifo']:.0f} tokens/s: {ratio:.2f}x (needs >= 2)"))
-    lost = lost_by_arm.get(arm)
-    out.append(Criterion("0 lost", None if lost is None else lost == 0,
-                         "no figure" if lost is None else f"{lost} requests of tsbatch without a complete answer"))
-    eq = equality.get(arm)
-    if not eq or not eq.get("stream_compared") or not eq.get("whole_compared"):
-        out.append(Criterion("streamed and non-streamed answers identical to alone", None,
-                             "no streamed or no non-streamed answer compared"))
-    else:
-        out.append(Criterion("streamed and non-streamed answers identical to alone", eq["differ"] == 0,
-                             f"{eq['differ']} of {eq['compared']} differ ({eq['stream_compared']} streamed, "
-                             f"{eq['whole_compared']} non-streamed, each against the ask's greedy answer alone)"))
-    return out
 
 
 @dataclass

@@ -1,7 +1,9 @@
-"""bench/generate_mix.py: the mix of asks, reading an answer, a window's figures and the issue's criteria."""
+"""bench/generate_mix.py and generate_report.py: the mix of asks, reading an answer, a window's figures and the
+issue's criteria."""
 import json
 
 from bench import generate_mix as mix
+from bench.generate_report import criteria
 from bench.loadtest.workload import WORDS
 
 
@@ -111,16 +113,16 @@ def test_sweep_rates_and_bisection():
 
 def test_criteria_read_the_figures():
     eq = {"tsbatch": {"compared": 40, "differ": 0, "stream_compared": 20, "whole_compared": 20}}
-    checks = mix.criteria({"tsbatch": 40.0, "fifo": 900.0, "bucketed": 400.0, "continuous": 100.0},
+    checks = criteria({"tsbatch": 40.0, "fifo": 900.0, "bucketed": 400.0, "continuous": 100.0},
                           {"tsbatch": 1000.0, "fifo": 400.0}, {"tsbatch": 0}, eq)
     assert [c.passed for c in checks] == [False, True, True, True]  # 40 / 100 (continuous, the best) = 0.4 > 1/3
     assert "continuous" in checks[0].detail and "0.400" in checks[0].detail
     assert "2.50x" in checks[1].detail
-    checks = mix.criteria({"tsbatch": 30.0, "fifo": 900.0}, {"tsbatch": 700.0, "fifo": 400.0}, {"tsbatch": 2},
+    checks = criteria({"tsbatch": 30.0, "fifo": 900.0}, {"tsbatch": 700.0, "fifo": 400.0}, {"tsbatch": 2},
                           {"tsbatch": {**eq["tsbatch"], "differ": 1}})
     assert [c.passed for c in checks] == [True, False, False, False]
     assert [c.line().split("**")[1] for c in checks] == ["PASS", "MISS", "MISS", "MISS"]
-    missing = mix.criteria({}, {}, {}, {})
+    missing = criteria({}, {}, {}, {})
     assert [c.passed for c in missing] == [None] * 4 and missing[0].line().startswith("- **NOT MEASURED**")
 
 
@@ -139,12 +141,12 @@ def test_the_floor_is_each_short_asks_best_alone():
 def test_the_ttft_criterion_says_the_floor_beside_its_target():
     eq = {"tsbatch": {"compared": 4, "differ": 0, "stream_compared": 2, "whole_compared": 2}}
     figures = ({"tsbatch": 60.0, "continuous": 54.0}, {"tsbatch": 900.0, "fifo": 400.0}, {"tsbatch": 0}, eq)
-    below = mix.criteria(*figures, floors={"tsbatch": 30.0})[0]
+    below = criteria(*figures, floors={"tsbatch": 30.0})[0]
     assert below.passed is False and "alone" in below.detail and "30 ms" in below.detail
     assert "target 18 ms is below what any scheduler can give here" in below.detail
-    within = mix.criteria(*figures, floors={"tsbatch": 10.0})[0]
+    within = criteria(*figures, floors={"tsbatch": 10.0})[0]
     assert "within the target 18 ms" in within.detail
-    assert "alone" not in mix.criteria(*figures)[0].detail
+    assert "alone" not in criteria(*figures)[0].detail
 
 
 def test_tally_counts_streamed_and_whole_comparisons_apart():
