@@ -33,6 +33,23 @@ def parse_bucket(label: Any) -> Bucket:
     return int(label)
 
 
+SMALLEST_EDGE = 8  # the shortest length edge: shorter inputs pad to it
+
+
+def default_edges(max_length: int) -> tuple[int, ...]:
+    """Edges 8 tokens apart up to 64, 16 apart up to 128, 32 up to 256, 64 up to 512, 128 beyond;
+    the model's maximum is always the last edge. Fine steps where inputs are short keep padding
+    waste low (a request pads at most one step), while the number of shapes stays small."""
+    edges = []
+    edge = SMALLEST_EDGE
+    while edge < max_length:
+        edges.append(edge)
+        step = 8 if edge < 64 else 16 if edge < 128 else 32 if edge < 256 else 64 if edge < 512 else 128
+        edge += step
+    edges.append(max_length)
+    return tuple(edges)
+
+
 @dataclass(frozen=True)
 class Shape:
     batch: int

@@ -14,10 +14,8 @@ import itertools
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
-from tsbatch.warmup.plan import Bucket, bucket_label, bucket_tokens, parse_bucket  # noqa: F401 - the one home of the words
-
-SMALLEST_EDGE = 8
-
+from tsbatch.warmup.plan import (SMALLEST_EDGE, Bucket, bucket_label, bucket_tokens,  # noqa: F401 - the one home of the words
+                                 default_edges, parse_bucket)
 
 
 @dataclass(frozen=True)
@@ -100,20 +98,6 @@ def bucket_order(bucket: Bucket) -> tuple:
 def bucket_grid(edges_per_size: Sequence[Sequence[int]]) -> tuple[Bucket, ...]:
     """Every bucket of a model with several sizes, one edge of each, shortest first."""
     return tuple(sorted(itertools.product(*[tuple(e) for e in edges_per_size]), key=bucket_order))
-
-
-def default_edges(max_length: int) -> tuple[int, ...]:
-    """Edges 8 tokens apart up to 64, 16 apart up to 128, 32 up to 256, 64 up to 512, 128 beyond;
-    the model's maximum is always the last edge. Fine steps where inputs are short keep padding
-    waste low (a request pads at most one step), while the number of shapes stays small."""
-    edges = []
-    edge = SMALLEST_EDGE
-    while edge < max_length:
-        edges.append(edge)
-        step = 8 if edge < 64 else 16 if edge < 128 else 32 if edge < 256 else 64 if edge < 512 else 128
-        edge += step
-    edges.append(max_length)
-    return tuple(edges)
 
 
 def power_of_two_edges(max_length: int) -> tuple[int, ...]:

@@ -147,7 +147,7 @@ def test_sequences_joining_and_leaving_at_different_steps_each_get_what_they_get
 
 def test_prompts_of_different_edges_joining_in_one_step_prefill_once_per_edge_and_answer_as_alone(runner):
     edges = prefill_edges(runner.max_positions)
-    lengths = [3, 8, 9, 11, 12, 13, 30, 33]  # edges 8, 8, 12, 12, 12, 16, 32, 48
+    lengths = [3, 8, 9, 11, 17, 20, 30, 33]  # edges 8, 8, 16, 16, 24, 24, 32, 40
     rng = random.Random(12)
     texts = [tuple(rng.randrange(1000, 29000) for _ in range(n)) for n in lengths]
     reference = [alone(runner, p, 10) for p in texts]
@@ -161,8 +161,8 @@ def test_prompts_of_different_edges_joining_in_one_step_prefill_once_per_edge_an
     finally:
         del runner.prefill
     assert len(first.prefill) == 8  # all joined in one step
-    assert calls == [(2, 8), (3, 12), (1, 16), (1, 32), (1, 48)]  # one padded prefill per edge, shortest first
-    assert first.tokens == 2 * 8 + 3 * 12 + 16 + 32 + 48 == sum(prefill_edge(n, edges) for n in lengths)
+    assert calls == [(2, 8), (2, 16), (2, 24), (1, 32), (1, 40)]  # one padded prefill per edge, shortest first
+    assert first.tokens == 2 * 8 + 2 * 16 + 2 * 24 + 32 + 40 == sum(prefill_edge(n, edges) for n in lengths)
     assert [s.tokens for s in seqs] == reference
 
 

@@ -154,23 +154,23 @@ def settings(runner, **overrides) -> GenerationSettings:
 
 def test_out_of_memory_at_warmup_shapes_lowers_what_the_engine_forms_and_skips_what_it_no_longer_forms(
         runner, tmp_path, events):
-    faulty = Faulty(runner, prefill={(4, 12), (1, 96)}, decode={(3, 64)})
+    faulty = Faulty(runner, prefill={(4, 16), (1, 96)}, decode={(3, 64)})
     given = settings(runner)
     profile, serving = warm_up_generation(faulty, given, 1, 2, "m", str(tmp_path), 120)
-    # (4, 12) ran out: the budget is what fitted, 3 x 12; (1, 96) did: nothing past edge 64 runs
-    # (kv_bound 64); decode of 3 at context 64 did: learned below 3 x 65 by the policy's own rule
-    assert (serving.token_budget, serving.max_running) == (36, 4)
-    assert serving.kv_bound == 64
-    assert profile.environment["out_of_memory"] == [{"kind": "prefill", "batch": 4, "bucket": 12},
+    # (4, 16) ran out: the budget is what fitted, 3 x 16; (1, 96) did: nothing past edge 80 runs
+    # (kv_bound 80); decode of 3 at context 64 did: learned below 3 x 65 by the policy's own rule
+    assert (serving.token_budget, serving.max_running) == (48, 4)
+    assert serving.kv_bound == 80
+    assert profile.environment["out_of_memory"] == [{"kind": "prefill", "batch": 4, "bucket": 16},
                                                     {"kind": "prefill", "batch": 1, "bucket": 96}]
-    # (3, 64) was never tried: kv_bound 64 holds one row of context 64, not three
+    # (3, 64) was never tried: kv_bound 80 holds one row of context 64, not three
     planned = prefill_shapes(given.prefill_edges, 4, 64)
     kept = [(s.batch, s.bucket) for s in planned if formable("prefill", s, serving)]
     assert set(kept) <= set(shapes(profile.prefill))
-    assert (4, 12) not in shapes(profile.prefill) and (3, 16) not in shapes(profile.prefill)
-    assert max(t.bucket for t in profile.prefill) == 64 and (4, 8) in shapes(profile.prefill)
+    assert (4, 16) not in shapes(profile.prefill) and (2, 32) not in shapes(profile.prefill)  # within 64, not 48
+    assert max(t.bucket for t in profile.prefill) == 80 and (4, 8) in shapes(profile.prefill)
     assert shapes(profile.decode) == [(1, 64)]
-    assert profile.environment["serving"] == {"token_budget": 36, "max_running": 4, "kv_bound": 64}
+    assert profile.environment["serving"] == {"token_budget": 48, "max_running": 4, "kv_bound": 80}
     assert [e["event"] for e in events].count("out_of_memory") == 2
     assert GenerationProfile.load(os.path.join(tmp_path, GENERATION_PROFILE_FILE)) == profile
 

@@ -3,13 +3,14 @@ import pytest
 
 from tsbatch.warmup.generation_profile import (GenerationProfile, decode_shapes, prefill_edge, prefill_edges,
                                                prefill_shapes)
-from tsbatch.warmup.plan import Shape
+from tsbatch.warmup.plan import Shape, default_edges
 
 
-def test_edges_pad_at_most_a_third_and_end_at_the_positions():
+def test_prefill_edges_are_the_encoders_bucket_edges_and_end_at_the_positions():
     edges = prefill_edges(1000)
-    assert edges[0] == 8 and edges[-1] == 1000
-    assert all(later <= earlier * 1.5 for earlier, later in zip(edges, edges[1:-1]))
+    assert edges == default_edges(1000) and edges[0] == 8 and edges[-1] == 1000
+    assert all(prefill_edge(n, edges) - n < 8 for n in range(1, 65))  # under 64: at most 7 tokens of padding
+    assert all(prefill_edge(n, edges) < 1.25 * n for n in range(65, 1001))  # above: under a quarter
     assert all(prefill_edge(length, edges) >= length for length in range(1, 1001))
     with pytest.raises(ValueError):
         prefill_edge(1001, edges)
