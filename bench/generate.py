@@ -120,33 +120,37 @@ class Run:
         return out
 
 
-def lone(urls: dict[str, str], pool: list[mix.Ask], references: dict, tally: dict) -> dict:
-    """Each arm with one request in flight: a short ask and a long one, streamed, twice: what a
-    request costs with no company (its TTFT, and the whole 256-token answer)."""
-    sample = [next(a for a in pool if a.kind == "short"), next(a for a in pool if a.kind == "long")] * 2
+def one_in_flight(urls: dict[str, str], sample: list[mix.Ask], references: dict, tally: dict, label: str,
+                  figures) -> dict:
+    """Each arm with one request in flight: the sample's asks one by one, streamed, checked against
+    their answers alone; `figures(answers)` is what each arm's answers say."""
     out = {}
     for arm, url in urls.items():
         answers = one_by_one(url, sample, True)
         tally[arm].add(answers, references)
-        out[arm] = {kind: {name: min((round(getattr(a, field) * 1000, 1) for a in answers
-                                      if a.ask.kind == kind and getattr(a, field) is not None), default=None)
-                           for name, field in (("ttft_ms", "first_chunk"), ("whole_ms", "done"))}
-                    for kind in ("short", "long")}
-        print(f"alone {arm}: {out[arm]}", flush=True)
+        out[arm] = figures(answers)
+        print(f"{label} {arm}: {out[arm]}", flush=True)
     return out
+
+
+def lone(urls: dict[str, str], pool: list[mix.Ask], references: dict, tally: dict) -> dict:
+    """A short ask and a long one, twice: what a request costs with no company (its TTFT, and the
+    whole 256-token answer), the best of two."""
+    sample = [next(a for a in pool if a.kind == "short"), next(a for a in pool if a.kind == "long")] * 2
+
+    def best(answers):
+        return {kind: {name: min((round(getattr(a, field) * 1000, 1) for a in answers
+                                  if a.ask.kind == kind and getattr(a, field) is not None), default=None)
+                       for name, field in (("ttft_ms", "first_chunk"), ("whole_ms", "done"))}
+                for kind in ("short", "long")}
+
+    return one_in_flight(urls, sample, references, tally, "alone", best)
 
 
 def floors(urls: dict[str, str], pool: list[mix.Ask], references: dict, tally: dict) -> dict:
-    """Each arm with one request in flight: every short ask of the pool, streamed, twice (its best
-    counts): the time to first token no scheduler can beat on this machine (mix.floor)."""
-    sample = [a for a in pool if a.kind == "short"] * 2
-    out = {}
-    for arm, url in urls.items():
-        answers = one_by_one(url, sample, True)
-        tally[arm].add(answers, references)
-        out[arm] = mix.floor(answers)
-        print(f"floor {arm}: {out[arm]}", flush=True)
-    return out
+    """Every short ask of the pool, twice (its best counts): the time to first token no scheduler
+    can beat on this machine (mix.floor)."""
+    return one_in_flight(urls, [a for a in pool if a.kind == "short"] * 2, references, tally, "floor", mix.floor)
 
 
 def warm(urls: dict[str, str], pool: list[mix.Ask]) -> None:
@@ -212,13 +216,14 @@ def main() -> None:
                 "long_share": args.long_share, "pool": args.pool},
         "arms": {arm: LABELS[arm] for arm in built},
         "frontends": {"fifo": FIFO_FRONTEND, "continuous": CONTINUOUS_FRONTEND},
-        "lone": lone_figures, "floor": floor_figures, "fifo_capacity": cap, "sweep": sweep, "rate70": rate70, "ttft": ttft, "saturation": saturation,
+        "lone": lone_figures, "floor": floor_figures, "fifo_capacity": cap, "sweep": sweep, "rate70": rate70,
+        "ttft": ttft, "saturation": saturation,
         "tally": {arm: t.as_dict() for arm, t in run.tally.items()}, "windows": run.log,
     }
     checks = criteria({arm: p["short"]["ttft_p99"] for arm, p in ttft.items()},
-                          {arm: s["output_tokens_per_s"] for arm, s in saturation.items()},
-                          {arm: t.lost for arm, t in run.tally.items()}, report["tally"],
-                          floors={arm: f["ttft_p99"] for arm, f in floor_figures.items()})
+                      {arm: s["output_tokens_per_s"] for arm, s in saturation.items()},
+                      {arm: t.lost for arm, t in run.tally.items()}, report["tally"],
+                      floors={arm: f["ttft_p99"] for arm, f in floor_figures.items()})
     report["criteria"] = [vars(c) for c in checks]
     print("\n".join(c.line() for c in checks), flush=True)
     if args.quick:

@@ -28,7 +28,7 @@ DECODE_CONTEXTS = (64, 512)  # KV-cache tokens per row at which each decode batc
 
 def prefill_edges(max_positions: int) -> tuple[int, ...]:
     """The lengths a prefill pads its contexts to: the encoder's bucket edges (`default_edges`, one
-    rule for what a pass pads to), ending at the model's positions. A context pads by at most 8
+    rule for what a pass pads to), ending at the model's positions. A context pads by at most 7
     tokens below 64 and by under a quarter above (1.5x steps cost the pool's short asks a p90 of
     18.0 against 13.7 ms of prefill alone, warmup as long: docs/experiments.md, 12-05 04:05)."""
     return default_edges(max_positions)

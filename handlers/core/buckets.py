@@ -14,8 +14,8 @@ import itertools
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
-from tsbatch.warmup.plan import (SMALLEST_EDGE, Bucket, bucket_label, bucket_tokens,  # noqa: F401 - the one home of the words
-                                 default_edges, parse_bucket)
+from tsbatch.warmup.plan import (  # noqa: F401 - the one home of the words
+    SMALLEST_EDGE, Bucket, bucket_label, bucket_tokens, default_edges, parse_bucket)
 
 
 @dataclass(frozen=True)

@@ -114,12 +114,12 @@ def test_sweep_rates_and_bisection():
 def test_criteria_read_the_figures():
     eq = {"tsbatch": {"compared": 40, "differ": 0, "stream_compared": 20, "whole_compared": 20}}
     checks = criteria({"tsbatch": 40.0, "fifo": 900.0, "bucketed": 400.0, "continuous": 100.0},
-                          {"tsbatch": 1000.0, "fifo": 400.0}, {"tsbatch": 0}, eq)
+                      {"tsbatch": 1000.0, "fifo": 400.0}, {"tsbatch": 0}, eq)
     assert [c.passed for c in checks] == [False, True, True, True]  # 40 / 100 (continuous, the best) = 0.4 > 1/3
     assert "continuous" in checks[0].detail and "0.400" in checks[0].detail
     assert "2.50x" in checks[1].detail
     checks = criteria({"tsbatch": 30.0, "fifo": 900.0}, {"tsbatch": 700.0, "fifo": 400.0}, {"tsbatch": 2},
-                          {"tsbatch": {**eq["tsbatch"], "differ": 1}})
+                      {"tsbatch": {**eq["tsbatch"], "differ": 1}})
     assert [c.passed for c in checks] == [True, False, False, False]
     assert [c.line().split("**")[1] for c in checks] == ["PASS", "MISS", "MISS", "MISS"]
     missing = criteria({}, {}, {}, {})
