@@ -97,9 +97,9 @@ def compare(live: dict, profiles: dict, profile_path: str, first_come: dict | No
             sweep.append({"rate": live_point["offered_rate"], "live": {k: live_point[k]["p99"] for k in ("short", "long")},
                           "live_again": {k: again[k]["p99"] for k in ("short", "long")} if again else None,
                           "simulated": {k: simulated[k]["p99"] for k in ("short", "long")},
-                          # the median short pass, served: what tsbatch's x-tsbatch-timing says, and the simulator
-                          "short_pass_ms": {"live": live_point.get("short_breakdown_ms", {}).get("pass"),
-                                            "simulated": simulated["short"]["pass_p50"]}})
+                          # the median pass of each class, served: what tsbatch's x-tsbatch-timing says, and the simulator
+                          **{f"{k}_pass_ms": {"live": live_point.get(f"{k}_breakdown_ms", {}).get("pass"),
+                                              "simulated": simulated[k]["pass_p50"]} for k in ("short", "long")}})
         rows[name] = {"sweep": sweep, "capacity": {"live": measured["capacity"], "simulated": predicted_capacity,
                                    "agrees": within(predicted_capacity, measured["capacity"], CAPACITY_WITHIN)},
                       "short_p99_at_70pct_b": {"rate": rate, "live": live_p99, "simulated": point.latency["short"]["p99"],
@@ -127,16 +127,17 @@ def markdown(report: dict) -> str:
     for result in report["workloads"]:
         lines += [f"## {result['workload']} (live: {result['live_when']}, `{result['live_command']}`)"]
         lines += ["", "Each rate of the live sweep, p99 in ms, live / simulated (short; long), and for tsbatch's "
-                  "arms the median short pass served, live / simulated:", ""]
+                  "arms the median pass served, live / simulated (short; long, where the run timed long passes):", ""]
         for name, row in result["arms"].items():
             cells = []
             for pt in row["sweep"]:
-                passes = pt.get("short_pass_ms", {})
                 again = pt.get("live_again")
+                passes = [f"{p['live']} / {p['simulated']}" for p in (pt.get("short_pass_ms", {}), pt.get("long_pass_ms", {}))
+                          if p.get("live")]
                 cells.append(f"{pt['rate']:g}: {pt['live']['short']} / {pt['simulated']['short']}; "
                              f"{pt['live']['long']} / {pt['simulated']['long']}"
                              + (f" (again: {again['short']}; {again['long']})" if again else "")
-                             + (f" (pass {passes['live']} / {passes['simulated']})" if passes.get("live") else ""))
+                             + (f" (pass {'; '.join(passes)})" if passes else ""))
             lines.append(f"- {name}: " + " · ".join(cells))
         lines.append("")
     return "\n".join(lines)

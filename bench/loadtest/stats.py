@@ -67,6 +67,7 @@ def summarize(run: RunResult) -> dict:
         out[kind] = {f"p{q}": (round(percentile(lat, q), 1) if lat else None) for q in (50, 95, 99)}
         out[kind]["n"] = len(lat)
     out["short_breakdown_ms"] = breakdown([r for r in ok if r.kind == "short"])
+    out["long_breakdown_ms"] = breakdown([r for r in ok if r.kind == "long"])
     out["client_lag_ms"] = client_lag(run)
     out["client_behind"] = client_behind(out["client_lag_ms"])
     return out
