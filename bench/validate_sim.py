@@ -97,7 +97,7 @@ def compare(live: dict, profiles: dict, profile_path: str, first_come: dict | No
             sweep.append({"rate": live_point["offered_rate"], "live": {k: live_point[k]["p99"] for k in ("short", "long")},
                           "live_again": {k: again[k]["p99"] for k in ("short", "long")} if again else None,
                           "simulated": {k: simulated[k]["p99"] for k in ("short", "long")},
-                          # the median pass of each class, served: what tsbatch's x-tsbatch-timing says, and the simulator
+                          # the median pass of each class, served: tsbatch's x-tsbatch-timing, and the simulator's
                           **{f"{k}_pass_ms": {"live": live_point.get(f"{k}_breakdown_ms", {}).get("pass"),
                                               "simulated": simulated[k]["pass_p50"]} for k in ("short", "long")}})
         rows[name] = {"sweep": sweep, "capacity": {"live": measured["capacity"], "simulated": predicted_capacity,
@@ -132,8 +132,8 @@ def markdown(report: dict) -> str:
             cells = []
             for pt in row["sweep"]:
                 again = pt.get("live_again")
-                passes = [f"{p['live']} / {p['simulated']}" for p in (pt.get("short_pass_ms", {}), pt.get("long_pass_ms", {}))
-                          if p.get("live")]
+                timed = (pt.get(f"{kind}_pass_ms", {}) for kind in ("short", "long"))
+                passes = [f"{p['live']} / {p['simulated']}" for p in timed if p.get("live")]
                 cells.append(f"{pt['rate']:g}: {pt['live']['short']} / {pt['simulated']['short']}; "
                              f"{pt['live']['long']} / {pt['simulated']['long']}"
                              + (f" (again: {again['short']}; {again['long']})" if again else "")
