@@ -15,9 +15,10 @@ TorchServe's own batching (batchSize, maxBatchDelay, a batch padded to its longe
 max_length), the controls of `make bench`.
 
 Pure and deterministic: no torch, no clock, no threads; the same inputs and seed give the same
-figures. What it does not model but measures as one factor on a pass that runs beside a long one
-(Overheads' beside): the memory traffic they share. Not at all: a core gone cold in an
-idle pause, and a machine whose speed drifts.
+figures. Measured and modelled as factors, not mechanisms: a pass that runs beside a long one runs
+slower (Overheads' beside: the memory traffic they share), and a team of threads that waited pays
+more for its next pass the longer it waited (Overheads' cold: caches and sleeping threads, from
+make bench-idle). Not at all: a machine whose speed drifts.
 """
 from __future__ import annotations
 
@@ -65,6 +66,11 @@ class Overheads:
     # it: its memory traffic is the lanes' shared cost (fitted to a make bench search run's
     # x-tsbatch-timing; two short passes side by side ran as fast as alone in the short-only run)
     beside: float = 1.211
+    # a team of threads that has not run a pass for a while pays this much more for its next
+    # one: (threads, padded tokens, seconds) after a long pause, and it approaches that as
+    # 1 - exp(-pause / cold_tau) (fitted to make bench-idle's passes after pauses; none: not measured)
+    cold: tuple[tuple[int, int, float], ...] = ()
+    cold_tau: float = 0.03
     window: float = 1.0  # seconds over which the frontend's recent load is counted
 
     @classmethod
@@ -88,7 +94,22 @@ class Overheads:
         beside = (report.get("passes") or {}).get("beside")
         if beside is not None:
             extra["beside"] = float(beside)
+        if fit.get("cold"):
+            extra["cold"] = tuple((int(t), int(n), float(s)) for t, n, s in fit["cold"])
+            extra["cold_tau"] = float(fit["cold_tau"])
         return cls(**curves, **extra)
+
+    def cold_after(self, pause: float, *, threads: int, length: int) -> float:
+        """Seconds a pass of `threads` threads over `length` tokens pays beyond the profile's
+        (timed back to back) when its team last ran `pause` seconds ago: the measured points of the
+        nearest thread count, interpolated in length."""
+        if not self.cold or pause <= 0:
+            return 0.0
+        nearest = min({t for t, _, _ in self.cold}, key=lambda t: (abs(t - threads), t))
+        points = {n: (s,) for t, n, s in self.cold if t == nearest}
+        ends = min(points), max(points)
+        full = _along(points, min(max(length, ends[0]), ends[1]))[0]
+        return full * (1.0 - math.exp(-pause / self.cold_tau))
 
 
 @dataclass(frozen=True)
@@ -281,6 +302,7 @@ class Simulation:
         self.seen = 0.0  # when `running` was last brought up to date
         self.recent: list[float] = []  # arrivals within the window
         self.curve = overheads.outside  # the measured curve of the arm's kind: simulate() sets first-come's
+        self.last_ran: dict[object, float] = {}  # a team of threads -> when its last pass ended
 
     def at(self, when: float, action: Callable[[], None]) -> None:
         heapq.heappush(self.events, (when, next(self.seq), action))
@@ -299,13 +321,21 @@ class Simulation:
         self.at(self.now + self.overheads.window * (1 + 1e-9), self._reflow)  # when it leaves the window
 
     def start(self, alone: float, threads: int, done: Callable[[], None], background: bool = False,
-              length: int = 0) -> None:
+              length: int = 0, team: object = None) -> None:
         """Run a pass of `alone` seconds on `threads` threads over inputs of `length` tokens;
         `done()` when it ends. A background pass (a long lane's: its threads run at nice 10)
-        yields the cores to everything else; a long one slows the passes beside it."""
+        yields the cores to everything else; a long one slows the passes beside it. `team`: whose
+        threads run it (a lane, a worker): they pay the cold cost of the pause since their last."""
         self._advance()
+        pause = self.now - self.last_ran.get(team, -math.inf)
+        alone += self.overheads.cold_after(pause, threads=threads, length=length)
+
+        def ended() -> None:
+            self.last_ran[team] = self.now
+            done()
+
         pid = next(self.seq)
-        self.running[pid] = [alone, threads, 0, done, NICE_WEIGHT if background else 1.0, 1.0, length > SHORT_TOKENS]
+        self.running[pid] = [alone, threads, 0, ended, NICE_WEIGHT if background else 1.0, 1.0, length > SHORT_TOKENS]
         self._reflow(advanced=True)
 
     def _advance(self) -> None:
@@ -491,7 +521,7 @@ class TsbatchWorker:
             self._maybe_return()
 
         self.sim.start(alone, plan.threads, done, background=plan.lane > 0,  # as scheduled.py lowers lane 1+
-                       length=bucket_tokens(batch.bucket))
+                       length=bucket_tokens(batch.bucket), team=(self, plan.lane))
 
     def _finish(self, ticket: Ticket, status: int) -> None:
         index = ticket.item.index
@@ -552,7 +582,7 @@ class FirstComeWorker:
             self.busy = False
             self.fleet.returned(self)
 
-        self.sim.start(alone, self.threads, done, length=padded)
+        self.sim.start(alone, self.threads, done, length=padded, team=self)
 
 
 # -- the frontend in front of the workers ------------------------------------------------------------------

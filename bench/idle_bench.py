@@ -10,6 +10,7 @@ increasing length, with the worker's thread counts. Writes bench/results/idle.js
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -30,6 +31,32 @@ def slowdown(rows: list[dict]) -> list[dict]:
         base.setdefault((row["bucket"], row["threads"]), row["p50_ms"])
     return [{**row, "vs_back_to_back": round(row["p50_ms"] / base[(row["bucket"], row["threads"])], 2)}
             for row in rows]
+
+
+def fit_cold(rows: list[dict]) -> dict:
+    """The simulator's Overheads.cold and cold_tau from these rows: per shape, what a pass pays
+    after the longest pauses (their median) over its median after the shortest, and the time
+    constant at which 1 - exp(-pause / tau) best follows every shape's pauses in between (least
+    squares, tau on a 0.5 ms grid from 1 to 200 ms)."""
+    shapes: dict[tuple[int, int], dict[float, float]] = {}
+    for row in rows:
+        shapes.setdefault((row["threads"], row["bucket"]), {})[row["pause_ms"]] = row["p50_ms"]
+    cold, curves = [], []
+    for (threads, bucket), by_pause in sorted(shapes.items()):
+        pauses = sorted(by_pause)
+        base = by_pause[pauses[0]]
+        late = sorted(by_pause[p] for p in pauses[-3:])[len(pauses[-3:]) // 2]
+        full = max(0.0, late - base)
+        cold.append([threads, bucket, round(full / 1000, 5)])
+        if full > 0:
+            curves.append([(p, (by_pause[p] - base) / full) for p in pauses[1:]])
+    grid = [t / 2 for t in range(2, 401)]  # 1 to 200 ms
+
+    def misfit(tau: float) -> float:
+        return sum((seen - (1 - math.exp(-p / tau))) ** 2 for curve in curves for p, seen in curve)
+
+    tau = min(grid, key=misfit) if curves else 30.0
+    return {"cold": cold, "cold_tau": round(tau / 1000, 4)}
 
 
 def measure(runner, bucket: int, threads: int, pause_ms: float, samples: int) -> dict:
@@ -78,12 +105,17 @@ def main() -> None:
                       f"median {row['p50_ms']} ms, p90 {row['p90_ms']} ms", flush=True)
     rows = slowdown(rows)
     report = {"when": reports.utc_now(seconds=True), "machine": reports.machine(),
-              "command": "make bench-idle", "model_dir": model_dir, "rows": rows}
+              "command": "python bench/idle_bench.py " + " ".join(sys.argv[1:]), "model_dir": model_dir, "rows": rows,
+              "fit": fit_cold(rows)}
     lines = [f"# One pass after an idle pause ({report['when']}, {report['machine']})", "",
              "| batch 1 x tokens | threads | pause | median | p90 | median vs 1 ms pause |",
              "|---|---|---|---|---|---|"]
     lines += [f"| {r['bucket']} | {r['threads']} | {r['pause_ms']} ms | {r['p50_ms']} ms | {r['p90_ms']} ms | "
               f"{r['vs_back_to_back']}x |" for r in rows]
+    fit = report["fit"]
+    lines += ["", "For the simulator (`fit_cold`: Overheads' cold and cold_tau; `bench/overheads.py --refit ... "
+              "--idle` puts them into an overheads report): after a long pause a pass pays, in seconds by (threads, "
+              f"padded tokens), {fit['cold']}, approached as 1 - exp(-pause / {fit['cold_tau']} s)."]
     reports.write(os.path.join(args.out, "idle"), report, "\n".join(lines) + "\n", indent=2)
     print("\n".join(lines))
 

@@ -130,9 +130,11 @@ def markdown(report: dict) -> str:
     f = report["fit"]
     if report.get("refit"):
         lines += ["", f"Put together from these measurements by `{report['refit']}`."]
+    cold = (f" `cold` {f['cold']} (threads, padded tokens, seconds), `cold_tau` {f['cold_tau']} s, from "
+            "bench/idle_bench.py (make bench-idle).") if f.get("cold") else ""
     lines += ["", "The simulator's Overheads from these (`fit` in bench/overheads.py; (answered req/s, cores outside the "
               f"passes)): `outside` (continuous mode) {f['outside']}, `outside_first_come` {f['outside_first_come']}, "
-              f"`latency` {f['latency']} s.", ""]
+              f"`latency` {f['latency']} s.{cold}", ""]
     if report.get("passes"):
         p = report["passes"]
         lines += [f"`beside` {p['beside']}: with it, a short pass served over the simulated one, at arm d's rates from "
@@ -152,6 +154,8 @@ def main(argv=None) -> int:
     parser.add_argument("--refit", metavar="JSON", nargs="+",
                         help="fit again from earlier reports' measurements, put together (no serving)")
     parser.add_argument("--bench", metavar="JSON", help="a make bench report: fit `beside` from its arm d's passes")
+    parser.add_argument("--idle", metavar="JSON", help="a make bench-idle report: its cold cost goes into the fit "
+                        "(before `beside` is fitted, so `beside` is not asked to stand for it)")
     args = parser.parse_args(argv)
     if args.refit:
         report = None
@@ -168,11 +172,20 @@ def main(argv=None) -> int:
         profiles = profiles_of(args.profile, args.profile_2t)
         report["fit"] = fit(report)
         report["refit"] = "python bench/overheads.py " + " ".join(sys.argv[1:] if argv is None else argv)
+        if args.idle:
+            with open(args.idle) as f:
+                idle = json.load(f).get("fit")
+            if not idle:
+                parser.error(f"--idle {args.idle}: no fit in it (a report of bench/idle_bench.py before 2026-12-05)")
+            report["fit"].update(idle)
         if args.bench:
             with open(args.bench) as f:
                 bench = json.load(f)
             fitted = {k: tuple(map(tuple, report["fit"][k])) for k in ("outside", "outside_first_come")}
-            report["passes"] = fit_beside(bench, profiles, Overheads(**fitted, latency=report["fit"]["latency"]))
+            cold = {"cold": tuple(map(tuple, report["fit"]["cold"])), "cold_tau": report["fit"]["cold_tau"]} \
+                if report["fit"].get("cold") else {}
+            measured = Overheads(**fitted, latency=report["fit"]["latency"], **cold)
+            report["passes"] = fit_beside(bench, profiles, measured)
         text = markdown(report)
         reports.write(args.out, report, text)
         print(text)

@@ -1,5 +1,9 @@
 """The benchmark's own rules (bench/loadtest/sweep.py): capacity, saturation, pooling and turn-taking."""
-from bench.idle_bench import slowdown
+import math
+
+import pytest
+
+from bench.idle_bench import fit_cold, slowdown
 from bench.loadtest.load import Result, RunResult
 from bench.loadtest.stats import summarize
 from bench.loadtest import sweep as sweeps
@@ -111,6 +115,20 @@ def test_idle_slowdown_is_against_the_shortest_pause_of_the_same_shape_and_threa
     got = {(r["bucket"], r["threads"], r["pause_ms"]): r["vs_back_to_back"] for r in slowdown(rows)}
     assert got == {(16, 1, 100): 4.0, (16, 1, 1): 1.0, (16, 2, 1): 1.0, (16, 2, 100): 4.0,
                    (256, 1, 1): 1.0, (256, 1, 50): 1.1}
+
+
+def test_the_cold_cost_is_what_long_pauses_add_and_its_time_constant_follows_the_pauses_between():
+    tau = 30.0  # ms: rows made from 1 - exp(-pause / tau), a full cost of 4 ms (16 tokens) and 2 ms (256)
+    rows = [{"bucket": b, "threads": 1, "pause_ms": p, "p50_ms": base + full * (1 - math.exp(-p / tau))}
+            for b, base, full in ((16, 6.0, 4.0), (256, 48.0, 2.0)) for p in (1, 10, 50, 100, 200)]
+    fit = fit_cold(rows)
+    cold = {(t, b): s for t, b, s in fit["cold"]}
+    # the longest pauses' median (100 ms) over the 1 ms one: within a few % of the full cost
+    assert cold[(1, 16)] == pytest.approx(0.004 * (math.exp(-1 / tau) - math.exp(-100 / tau)), abs=1e-5)
+    assert cold[(1, 256)] == pytest.approx(0.002 * (math.exp(-1 / tau) - math.exp(-100 / tau)), abs=1e-5)
+    assert fit["cold_tau"] == pytest.approx(tau / 1000, rel=0.1)
+    flat = [{**row, "p50_ms": 6.0} for row in rows]  # nothing goes cold: no cost, whatever tau
+    assert all(s == 0.0 for _, _, s in fit_cold(flat)["cold"])
 
 
 def _counting_server():

@@ -3,6 +3,7 @@ figures move the way a worker's do (more load, longer queues; first-come pads, t
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import pytest
@@ -138,6 +139,25 @@ def test_two_short_passes_side_by_side_run_as_if_alone_and_two_long_ones_slow_ea
     assert ends["c"] == pytest.approx(3.5) and ends["d"] == pytest.approx(5.5)
 
 
+def test_a_team_that_waited_pays_the_measured_cold_cost_for_its_next_pass():
+    cold = Overheads(outside=((1.0, 0.0),), beside=1.0, cold=((1, 16, 0.4), (1, 256, 0.1), (2, 16, 0.8)), cold_tau=0.5)
+    assert cold.cold_after(math.inf, threads=1, length=16) == pytest.approx(0.4)
+    assert cold.cold_after(math.inf, threads=1, length=136) == pytest.approx(0.25)  # between the measured lengths
+    assert cold.cold_after(math.inf, threads=1, length=512) == pytest.approx(0.1)  # past them: the nearest
+    assert cold.cold_after(math.inf, threads=4, length=16) == pytest.approx(0.8)  # the nearest thread count
+    assert cold.cold_after(0.5, threads=1, length=16) == pytest.approx(0.4 * (1 - math.exp(-1)))
+    assert Overheads(outside=((1.0, 0.0),)).cold_after(10.0, threads=1, length=16) == 0.0  # not measured: none
+    ends = {}
+    sim = Simulation(cores=2, overheads=cold)
+    sim.at(0.0, lambda: sim.start(1.0, 1, lambda: ends.setdefault("first", sim.now), length=16, team="lane"))
+    sim.at(1.5, lambda: sim.start(1.0, 1, lambda: ends.setdefault("soon", sim.now), length=16, team="lane"))
+    sim.at(1.5, lambda: sim.start(1.0, 1, lambda: ends.setdefault("other", sim.now), length=16, team="other"))
+    sim.run(100)
+    assert ends["first"] == pytest.approx(1.4)  # never ran before: the whole cost
+    assert ends["soon"] == pytest.approx(2.5 + 0.4 * (1 - math.exp(-0.1 / 0.5)))  # 0.1 s after its last: a little
+    assert ends["other"] == pytest.approx(2.9)  # another team's pause is its own: it never ran
+
+
 def test_outside_cores_follow_the_measured_curve():
     curve = ((10.0, 0.1), (20.0, 0.3), (40.0, 0.4))
     assert outside_cores(curve, 0) == 0.0
@@ -261,12 +281,13 @@ def test_overheads_measured_on_another_machine_come_from_its_report_and_change_t
 
     shipped = Overheads.from_report(os.path.join(REPO, "bench", "results", "overheads.json"))
     assert shipped.outside == Overheads().outside and shipped.beside == Overheads().beside  # the defaults cite it
-    busy = {"fit": {"outside": [[1.0, 0.05]], "outside_first_come": [[1.0, 0.05]], "latency": 0.02},
-            "passes": {"beside": 2.0}}
+    busy = {"fit": {"outside": [[1.0, 0.05]], "outside_first_come": [[1.0, 0.05]], "latency": 0.02,
+                    "cold": [[1, 16, 0.004]], "cold_tau": 0.03}, "passes": {"beside": 2.0}}
     path = tmp_path / "overheads.json"
     path.write_text(json.dumps(busy))
     loaded = Overheads.from_report(str(path))
     assert loaded.outside == ((1.0, 0.05),) and loaded.latency == 0.02 and loaded.beside == 2.0
+    assert loaded.cold == ((1, 16, 0.004),) and loaded.cold_tau == 0.03
     (tmp_path / "bad.json").write_text(json.dumps({"fit": {"outside": []}}))
     with pytest.raises(ValueError, match="bad.json"):
         Overheads.from_report(str(tmp_path / "bad.json"))
