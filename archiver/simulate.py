@@ -80,14 +80,23 @@ class Overheads:
         try:
             with open(path) as f:
                 report = json.load(f)
+        except (OSError, json.JSONDecodeError) as error:
+            raise ValueError(f"{path}: not a bench/overheads.py report with a fit "
+                             f"(outside, outside_first_come): {error}") from None
+        return cls.of(report, path)
+
+    @classmethod
+    def of(cls, report: dict, source: str = "overheads") -> "Overheads":
+        """The overheads of a bench/overheads.py report already read (`source` names it in errors)."""
+        try:
             fit = report["fit"]
             curves = {name: tuple((float(rate), float(cores)) for rate, cores in fit[name])
                       for name in ("outside", "outside_first_come")}
-        except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as error:
-            raise ValueError(f"{path}: not a bench/overheads.py report with a fit "
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"{source}: not a bench/overheads.py report with a fit "
                              f"(outside, outside_first_come): {error}") from None
         if not all(curves.values()) or any(c < 0 or r <= 0 for curve in curves.values() for r, c in curve):
-            raise ValueError(f"{path}: each curve needs points of (requests/s > 0, cores >= 0)")
+            raise ValueError(f"{source}: each curve needs points of (requests/s > 0, cores >= 0)")
         extra = {}
         if fit.get("latency") is not None:
             extra["latency"] = float(fit["latency"])

@@ -181,11 +181,7 @@ def main(argv=None) -> int:
         if args.bench:
             with open(args.bench) as f:
                 bench = json.load(f)
-            fitted = {k: tuple(map(tuple, report["fit"][k])) for k in ("outside", "outside_first_come")}
-            cold = {"cold": tuple(map(tuple, report["fit"]["cold"])), "cold_tau": report["fit"]["cold_tau"]} \
-                if report["fit"].get("cold") else {}
-            measured = Overheads(**fitted, latency=report["fit"]["latency"], **cold)
-            report["passes"] = fit_beside(bench, profiles, measured)
+            report["passes"] = fit_beside(bench, profiles, Overheads.of({"fit": report["fit"]}, args.out))
         text = markdown(report)
         reports.write(args.out, report, text)
         print(text)
