@@ -66,6 +66,9 @@ class Overheads:
     # it: its memory traffic is the lanes' shared cost (fitted to a make bench search run's
     # x-tsbatch-timing; two short passes side by side ran as fast as alone in the short-only run)
     beside: float = 1.211
+    # a long pass beside another long one (the short lane helping the long lane) runs this many
+    # times slower (measured in process by make bench-beside); None: not measured, `beside` stands
+    beside_long: float | None = None
     # a team of threads that has not run a pass for a while pays this much more for its next
     # one: (threads, padded tokens, seconds) after a long pause, and it approaches that as
     # 1 - exp(-pause / cold_tau) (fitted to make bench-idle's passes after pauses; none: not measured)
@@ -103,10 +106,16 @@ class Overheads:
         beside = (report.get("passes") or {}).get("beside")
         if beside is not None:
             extra["beside"] = float(beside)
+        if fit.get("beside_long") is not None:
+            extra["beside_long"] = float(fit["beside_long"])
         if fit.get("cold"):
             extra["cold"] = tuple((int(t), int(n), float(s)) for t, n, s in fit["cold"])
             extra["cold_tau"] = float(fit["cold_tau"])
         return cls(**curves, **extra)
+
+    def beside_factor(self, *, long: bool) -> float:
+        """How many times slower a pass (a long one: `long`) runs while a long pass runs beside it."""
+        return self.beside_long if long and self.beside_long is not None else self.beside
 
     def cold_after(self, pause: float, *, threads: int, length: int) -> float:
         """Seconds a pass of `threads` threads over `length` tokens pays beyond the profile's
@@ -367,7 +376,7 @@ class Simulation:
         for (pid, entry), share in zip(self.running.items(), shares):
             entry[5] = share ** entry[1]  # a team waits at every op for its slowest thread
             if longs - entry[6] > 0:  # a long pass runs beside this one
-                entry[5] /= self.overheads.beside
+                entry[5] /= self.overheads.beside_factor(long=entry[6])
             entry[2] += 1
             version = entry[2]
             self.at(self.now + max(0.0, entry[0]) / entry[5], lambda pid=pid, version=version: self._end(pid, version))

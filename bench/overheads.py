@@ -132,6 +132,8 @@ def markdown(report: dict) -> str:
         lines += ["", f"Put together from these measurements by `{report['refit']}`."]
     cold = (f" `cold` {f['cold']} (threads, padded tokens, seconds), `cold_tau` {f['cold_tau']} s, from "
             "bench/idle_bench.py (make bench-idle).") if f.get("cold") else ""
+    cold += (f" `beside_long` {f['beside_long']}: a long pass beside a long one, from bench/beside_bench.py "
+             "(make bench-beside).") if f.get("beside_long") is not None else ""
     lines += ["", "The simulator's Overheads from these (`fit` in bench/overheads.py; (answered req/s, cores outside the "
               f"passes)): `outside` (continuous mode) {f['outside']}, `outside_first_come` {f['outside_first_come']}, "
               f"`latency` {f['latency']} s.{cold}", ""]
@@ -156,6 +158,8 @@ def main(argv=None) -> int:
     parser.add_argument("--bench", metavar="JSON", help="a make bench report: fit `beside` from its arm d's passes")
     parser.add_argument("--idle", metavar="JSON", help="a make bench-idle report: its cold cost goes into the fit "
                         "(before `beside` is fitted, so `beside` is not asked to stand for it)")
+    parser.add_argument("--beside", metavar="JSON", help="a make bench-beside report: how much slower a long pass runs "
+                        "beside a long one goes into the fit (before `beside` is fitted)")
     args = parser.parse_args(argv)
     if args.refit:
         report = None
@@ -172,12 +176,13 @@ def main(argv=None) -> int:
         profiles = profiles_of(args.profile, args.profile_2t)
         report["fit"] = fit(report)
         report["refit"] = "python bench/overheads.py " + " ".join(sys.argv[1:] if argv is None else argv)
-        if args.idle:
-            with open(args.idle) as f:
-                idle = json.load(f).get("fit")
-            if not idle:
-                parser.error(f"--idle {args.idle}: no fit in it (a report of bench/idle_bench.py before 2026-12-05)")
-            report["fit"].update(idle)
+        for option, path, keys in (("--idle", args.idle, ("cold", "cold_tau")), ("--beside", args.beside, ("beside_long",))):
+            if path:
+                with open(path) as f:
+                    measured_fit = json.load(f).get("fit") or {}
+                if not all(key in measured_fit for key in keys):
+                    parser.error(f"{option} {path}: no {', '.join(keys)} in its fit")
+                report["fit"].update({key: measured_fit[key] for key in keys})
         if args.bench:
             with open(args.bench) as f:
                 bench = json.load(f)

@@ -3,6 +3,7 @@ import math
 
 import pytest
 
+from bench.beside_bench import fit as fit_beside, slowdowns
 from bench.idle_bench import fit_cold, slowdown
 from bench.loadtest.load import Result, RunResult
 from bench.loadtest.stats import summarize
@@ -129,6 +130,19 @@ def test_the_cold_cost_is_what_long_pauses_add_and_its_time_constant_follows_the
     assert fit["cold_tau"] == pytest.approx(tau / 1000, rel=0.1)
     flat = [{**row, "p50_ms": 6.0} for row in rows]  # nothing goes cold: no cost, whatever tau
     assert all(s == 0.0 for _, _, s in fit_cold(flat)["cold"])
+
+
+def test_beside_ratios_are_each_subjects_median_against_its_own_alone_and_feed_the_simulator():
+    times = {("short", "alone"): [10.0, 11.0, 12.0], ("short", "short"): [10.0, 10.0, 11.0],
+             ("short", "long"): [13.0, 13.2, 20.0], ("long", "alone"): [50.0, 49.0, 51.0],
+             ("long", "short"): [52.0, 52.0, 90.0], ("long", "long"): [60.0, 61.0, 59.0]}
+    rows = slowdowns(times)
+    assert [(r["subject"], r["beside"]) for r in rows] == [(s, b) for s in ("long", "short")
+                                                           for b in ("alone", "short", "long")]
+    ratio = {(r["subject"], r["beside"]): r["vs_alone"] for r in rows}
+    assert ratio[("short", "alone")] == 1.0 and ratio[("short", "long")] == 1.2 and ratio[("long", "long")] == 1.2
+    assert ratio[("long", "short")] == 1.04  # a median: the one slow pass does not count
+    assert fit_beside(rows) == {"beside": 1.2, "beside_long": 1.2, "short_beside_short": 0.909}
 
 
 def _counting_server():

@@ -139,6 +139,20 @@ def test_two_short_passes_side_by_side_run_as_if_alone_and_two_long_ones_slow_ea
     assert ends["c"] == pytest.approx(3.5) and ends["d"] == pytest.approx(5.5)
 
 
+def test_a_measured_long_beside_long_factor_slows_long_passes_and_leaves_short_ones_to_beside():
+    ends = {}
+    sim = Simulation(cores=2, overheads=Overheads(outside=((1.0, 0.0),), beside=1.5, beside_long=1.25))
+    sim.at(0.0, lambda: sim.start(1.0, 1, lambda: ends.setdefault("c", sim.now), length=128))
+    sim.at(0.0, lambda: sim.start(3.0, 1, lambda: ends.setdefault("d", sim.now), length=128))
+    sim.at(5.0, lambda: sim.start(1.0, 1, lambda: ends.setdefault("short", sim.now), length=32))
+    sim.at(5.0, lambda: sim.start(3.0, 1, lambda: ends.setdefault("long", sim.now), length=256))
+    sim.run(100)
+    # two long passes at 1/1.25 until c ends at 1.25; d then alone: 2 s left
+    assert ends["c"] == pytest.approx(1.25) and ends["d"] == pytest.approx(3.25)
+    # a short pass beside a long one still pays `beside`
+    assert ends["short"] == pytest.approx(6.5) and ends["long"] == pytest.approx(8.0)
+
+
 def test_a_team_that_waited_pays_the_measured_cold_cost_for_its_next_pass():
     cold = Overheads(outside=((1.0, 0.0),), beside=1.0, cold=((1, 16, 0.4), (1, 256, 0.1), (2, 16, 0.8)), cold_tau=0.5)
     assert cold.cold_after(math.inf, threads=1, length=16) == pytest.approx(0.4)
@@ -282,12 +296,13 @@ def test_overheads_measured_on_another_machine_come_from_its_report_and_change_t
     shipped = Overheads.from_report(os.path.join(REPO, "bench", "results", "overheads.json"))
     assert shipped.outside == Overheads().outside and shipped.beside == Overheads().beside  # the defaults cite it
     busy = {"fit": {"outside": [[1.0, 0.05]], "outside_first_come": [[1.0, 0.05]], "latency": 0.02,
-                    "cold": [[1, 16, 0.004]], "cold_tau": 0.03}, "passes": {"beside": 2.0}}
+                    "cold": [[1, 16, 0.004]], "cold_tau": 0.03, "beside_long": 1.1}, "passes": {"beside": 2.0}}
     path = tmp_path / "overheads.json"
     path.write_text(json.dumps(busy))
     loaded = Overheads.from_report(str(path))
     assert loaded.outside == ((1.0, 0.05),) and loaded.latency == 0.02 and loaded.beside == 2.0
-    assert loaded.cold == ((1, 16, 0.004),) and loaded.cold_tau == 0.03
+    assert loaded.cold == ((1, 16, 0.004),) and loaded.cold_tau == 0.03 and loaded.beside_long == 1.1
+    assert shipped.beside_long is None  # not measured where the defaults come from: `beside` stands
     (tmp_path / "bad.json").write_text(json.dumps({"fit": {"outside": []}}))
     with pytest.raises(ValueError, match="bad.json"):
         Overheads.from_report(str(tmp_path / "bad.json"))
