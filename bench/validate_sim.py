@@ -4,12 +4,15 @@ the agreement in one table: capacity at the target, and short p99 at the rate ma
 it (70% of first-come's capacity). Writes bench/results/simulator-vs-live.{json,md}.
 
     python bench/validate_sim.py --profile P.json --profile-2t P2.json LIVE/bench-search.json ...
+    python bench/validate_sim.py --own-profiles W1/bench-search.json W2/bench-long.json ...
 
 `--profile`: the profile the tsbatch arms serve with (taken with their lanes' threads, as
 `tsbatch profile` does); `--profile-2t`: one taken with a single lane on every thread (handler
 long_lane_from: null), for first-come's two-thread passes, unless `--profile-first-come` gives the
 control's own (bench/control_profile.py: its eager model, tokenizing inside the pass); `--overheads`
-what bench/overheads.py measured on the live runs' machine. Arm t is served
+what bench/overheads.py measured on the live runs' machine. `--own-profiles`: each report with the
+profiles in its own folder, taken just before it (bench/window.sh), since the host's speed moves by
+tens of percent between hours and a profile of another hour judges the simulator by that. Arm t is served
 as the live run served it (the model-config.yaml make bench records), or, for a report without it,
 tuned again from --profile exactly as `make bench` tunes it (tsbatch archive's default workload).
 """
@@ -126,6 +129,8 @@ def markdown(report: dict) -> str:
     lines.append("")
     for result in report["workloads"]:
         lines += [f"## {result['workload']} (live: {result['live_when']}, `{result['live_command']}`)"]
+        if result.get("profiles"):
+            lines += ["", f"Simulated with the profiles taken just before it, in `{result['profiles']['from']}`."]
         lines += ["", "Each rate of the live sweep, p99 in ms, live / simulated (short; long), and for tsbatch's "
                   "arms the median pass served, live / simulated (short; long, where the run timed long passes):", ""]
         for name, row in result["arms"].items():
@@ -143,33 +148,53 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def load_profiles(profile: str, profile_2t: str | None, first_come_path: str | None) -> tuple[dict, dict | None]:
+    """The tsbatch arms' profiles by thread count, and first-come's own (None: it is served with those)."""
+    lanes = pipeline.load_profile(profile)
+    profiles = {profile_threads(lanes): lanes}
+    if profile_2t:
+        two = pipeline.load_profile(profile_2t)
+        profiles[profile_threads(two)] = two
+    if not first_come_path:
+        return profiles, None
+    control = pipeline.load_profile(first_come_path)
+    return profiles, {profile_threads(control): control}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("live", nargs="+", help="make bench reports (bench-WORKLOAD.json)")
-    parser.add_argument("--profile", required=True)
+    parser.add_argument("--profile", help="the profile the tsbatch arms serve with (one for every live report)")
     parser.add_argument("--profile-2t", help="a profile taken on one lane with every thread (first-come's passes)")
     parser.add_argument("--profile-first-come", help="the first-come control's own passes (bench/control_profile.py)")
+    parser.add_argument("--own-profiles", action="store_true",
+                        help="each live report served with the profile.json and control-profile.json in its own folder "
+                             "(taken minutes before it: the host's speed of that window, not of another hour)")
     parser.add_argument("--overheads", metavar="JSON", help="a bench/overheads.py report measured on the live runs' "
                                                              "machine (default: the simulator's, fitted 12-02)")
     parser.add_argument("--out", default=os.path.join(reports.RESULTS, "simulator-vs-live"))
     args = parser.parse_args(argv)
+    if bool(args.profile) == args.own_profiles:
+        parser.error("give --profile, or --own-profiles (not both)")
     overheads = Overheads.from_report(args.overheads) if args.overheads else Overheads()
-    lanes = pipeline.load_profile(args.profile)
-    profiles = {profile_threads(lanes): lanes}
-    if args.profile_2t:
-        two = pipeline.load_profile(args.profile_2t)
-        profiles[profile_threads(two)] = two
     report = {"when": reports.utc_now(), "machine": reports.machine(),
               "command": "python bench/validate_sim.py " + " ".join(sys.argv[1:] if argv is None else argv),
-              "profiles": {str(t): p.environment for t, p in profiles.items()}, "workloads": []}
-    first_come = None
-    if args.profile_first_come:
-        control = pipeline.load_profile(args.profile_first_come)
-        first_come = {profile_threads(control): control}
-        report["profiles"]["first-come"] = control.environment
+              "profiles": {}, "workloads": []}
     for path in args.live:
+        profile, first_come_path = args.profile, args.profile_first_come
+        if args.own_profiles:
+            folder = os.path.dirname(os.path.abspath(path))
+            profile, first_come_path = os.path.join(folder, "profile.json"), os.path.join(folder, "control-profile.json")
+        profiles, first_come = load_profiles(profile, args.profile_2t, first_come_path)
         with open(path) as f:
-            report["workloads"].append(compare(json.load(f), profiles, args.profile, first_come, overheads))
+            result = compare(json.load(f), profiles, profile, first_come, overheads)
+        environments = {**{str(t): p.environment for t, p in profiles.items()},
+                        **({"first-come": next(iter(first_come.values())).environment} if first_come else {})}
+        if args.own_profiles:
+            result["profiles"] = {"from": os.path.relpath(os.path.dirname(profile)), **environments}
+        else:
+            report["profiles"] = environments
+        report["workloads"].append(result)
     text = markdown(report)
     reports.write(args.out, report, text)
     print(text)

@@ -26,3 +26,29 @@ def test_the_overheads_given_are_the_ones_simulated():
     heavy = compare(live_first_come(), served, "", served, overheads=busy)["arms"]["b"]
     assert heavy["capacity"]["simulated"] < default["capacity"]["simulated"]
     assert heavy["sweep"][0]["simulated"]["long"] > default["sweep"][0]["simulated"]["long"]
+
+
+def test_own_profiles_serve_each_live_run_with_the_profiles_in_its_folder(tmp_path):
+    import json
+
+    from bench.validate_sim import main
+
+    with open(os.path.join(RESULTS, "control-profile.json")) as f:
+        control = json.load(f)
+    with open(os.path.join(RESULTS, "simulator-profile-lanes.json")) as f:
+        lanes = json.load(f)
+    slow = {**control, "shapes": [{**s, "median_ms": s["median_ms"] * 2, "p90_ms": s["p90_ms"] * 2}
+                                  for s in control["shapes"]]}
+    paths = []
+    for name, first_come in (("fast", control), ("slow", slow)):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "profile.json").write_text(json.dumps(lanes))
+        (folder / "control-profile.json").write_text(json.dumps(first_come))
+        (folder / "bench-long.json").write_text(json.dumps(live_first_come()))
+        paths.append(str(folder / "bench-long.json"))
+    out = tmp_path / "vs"
+    assert main(["--own-profiles", *paths, "--out", str(out)]) == 0
+    report = json.loads((tmp_path / "vs.json").read_text())
+    fast, slow_run = (w["arms"]["b"]["capacity"]["simulated"] for w in report["workloads"])
+    assert slow_run < fast  # the passes of its own window, twice as slow
