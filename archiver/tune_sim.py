@@ -67,11 +67,8 @@ def search(tuning: Tuning, profile, section: Mapping[str, Any], workload: str = 
                        overheads=overheads)
         point = at_rate(arm, at, tokens, profiles, max_length, DURATION_S, seed, cores=cores, overheads=overheads)
         rated.append(replace(candidate, capacity=cap, short_p99_ms=point.latency["short"]["p99"]))
-    template = next(c for c in rated if c.name == "template")
     best = max(rated, key=lambda c: (c.capacity, -(c.short_p99_ms or 1e9)))
-    analytic = next(c for c in rated if c.name == "analytic")
-    if best.capacity - analytic.capacity < RESOLUTION and analytic.capacity >= max(template.capacity, reference):
-        best = analytic  # a lead finer than the capacity search resolves is noise: the analytic choice stands
+    template = next(c for c in rated if c.name == "template")
     if best.capacity < reference:
         raise TuneError(f"on workload {workload!r} the simulator predicts TorchServe's first-come batching serves "
                         f"{reference:g} req/s within {target:g} ms and tsbatch's best candidate ({best.name}) "
