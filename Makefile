@@ -143,7 +143,7 @@ bench-idle: setup
 bench-beside: setup
 	$(PYTHON) bench/beside_bench.py $(BENCH_ARGS)
 
-bench-window: setup java
+bench-window: setup java $(VENV)/.bench-tools
 	$(PYTHON) bench/same_window.py $(BENCH_ARGS)
 
 bench-omp-pools: setup
