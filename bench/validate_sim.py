@@ -11,7 +11,7 @@ it (70% of first-come's capacity). Writes bench/results/simulator-vs-live.{json,
 long_lane_from: null), for first-come's two-thread passes, unless `--profile-first-come` gives the
 control's own (bench/control_profile.py: its eager model, tokenizing inside the pass); `--overheads`
 what bench/overheads.py measured on the live runs' machine. `--own-profiles`: each report with the
-profiles in its own folder, taken just before it (bench/window.sh), since the host's speed moves by
+profiles in its own folder, taken just before it (make bench-window, bench/same_window.py), since the host's speed moves by
 tens of percent between hours and a profile of another hour judges the simulator by that. Arm t is served
 as the live run served it (the model-config.yaml make bench records), or, for a report without it,
 tuned again from --profile exactly as `make bench` tunes it (tsbatch archive's default workload).
