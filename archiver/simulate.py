@@ -16,7 +16,8 @@ max_length), the controls of `make bench`.
 
 Pure and deterministic: no torch, no clock, no threads; the same inputs and seed give the same
 figures. Measured and modelled as factors, not mechanisms: a pass that runs beside a long one runs
-slower (Overheads' beside: the memory traffic they share), and a team of threads that waited pays
+slower (Overheads' beside, fitted live: in process two lanes run within 3% of alone, make
+bench-beside, so it most likely stands for the worker's and the frontend's other work), and a team of threads that waited pays
 more for its next pass the longer it waited (Overheads' cold: caches and sleeping threads, from
 make bench-idle). Not at all: a machine whose speed drifts.
 """
@@ -63,8 +64,9 @@ class Overheads:
         (15.21, 0.0412), (15.24, 0.0613), (32.56, 0.07), (64.88, 0.1051), (117.16, 0.1547))
     latency: float = 0.006  # seconds a request spends outside the handler at light load
     # a pass runs this many times slower while a long pass (more than SHORT_TOKENS) runs beside
-    # it: its memory traffic is the lanes' shared cost (fitted to a make bench search run's
-    # x-tsbatch-timing; two short passes side by side ran as fast as alone in the short-only run)
+    # it (fitted to a make bench search run's x-tsbatch-timing; two short passes side by side ran
+    # as fast as alone in the short-only run). Not the lanes' memory traffic: in process they run
+    # within 3% of alone (make bench-beside); most likely the worker's and the frontend's other work
     beside: float = 1.211
     # a long pass beside another long one (the short lane helping the long lane) runs this many
     # times slower (measured in process by make bench-beside); None: not measured, `beside` stands
