@@ -136,7 +136,7 @@ def markdown(report: dict) -> str:
     for rate, arms in report["points"].items():
         for name, p in arms.items():
             lines.append(f"- {rate} req/s, {name}: " + "; ".join(
-                ", ".join(f"{k} {v}" for k, v in b.items() if k != "n") or "no timing header"
+                ", ".join(f"{k} {v}" for k, v in b.items() if k not in ("n", "p99")) or "no timing header"
                 for b in p["short_breakdown_ms"]))
     return "\n".join(lines) + "\n"
 

@@ -89,11 +89,13 @@ def client_behind(lag: dict) -> bool:
 def breakdown(results: Sequence) -> dict:
     """Medians of where answered requests' time went (x-tsbatch-timing): in tsbatch's queue, the
     pass, the handler in all, and the rest of what the client measured (TorchServe's frontend,
-    the socket to the worker, the reply); {} when the server sends no timing."""
+    the socket to the worker, the reply); and each part's p99 under "p99", since a latency tail
+    may come from any one of them, which medians cannot tell. {} when the server sends no timing."""
     timed = [r for r in results if r.timing.keys() >= {"wait", "pass", "handler"}]
     if not timed:
         return {}
-    med = lambda values: round(percentile(values, 50), 1)  # noqa: E731
-    return {"n": len(timed), "wait": med([r.timing["wait"] for r in timed]),
-            "pass": med([r.timing["pass"] for r in timed]), "handler": med([r.timing["handler"] for r in timed]),
-            "outside_handler": med([r.latency * 1000 - r.timing["handler"] for r in timed])}
+    parts = {"wait": [r.timing["wait"] for r in timed], "pass": [r.timing["pass"] for r in timed],
+             "handler": [r.timing["handler"] for r in timed],
+             "outside_handler": [r.latency * 1000 - r.timing["handler"] for r in timed]}
+    return {"n": len(timed), **{k: round(percentile(v, 50), 1) for k, v in parts.items()},
+            "p99": {k: round(percentile(v, 99), 1) for k, v in parts.items()}}

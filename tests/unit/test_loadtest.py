@@ -316,5 +316,6 @@ def test_the_timing_header_becomes_a_breakdown_of_where_time_went():
     assert timing_of("") == {} and timing_of("wait=soon") == {}
     results = [Result("short", 0.0, 0.020 + i / 1000, 200, timing={"wait": 1.0, "pass": 10.0, "handler": 12.0})
                for i in range(3)] + [Result("short", 0.0, 0.5, 200)]  # untimed: left out
-    assert breakdown(results) == {"n": 3, "wait": 1.0, "pass": 10.0, "handler": 12.0, "outside_handler": 9.0}
+    assert breakdown(results) == {"n": 3, "wait": 1.0, "pass": 10.0, "handler": 12.0, "outside_handler": 9.0,
+                                  "p99": {"wait": 1.0, "pass": 10.0, "handler": 12.0, "outside_handler": 10.0}}
     assert breakdown([Result("short", 0.0, 0.5, 200)]) == {}
