@@ -52,3 +52,21 @@ def test_own_profiles_serve_each_live_run_with_the_profiles_in_its_folder(tmp_pa
     report = json.loads((tmp_path / "vs.json").read_text())
     fast, slow_run = (w["arms"]["b"]["capacity"]["simulated"] for w in report["workloads"])
     assert slow_run < fast  # the passes of its own window, twice as slow
+
+
+def test_the_second_reading_judges_against_what_one_live_run_cannot_tell_apart():
+    from bench.validate_sim import live_span, within, within_span
+
+    measured = {"capacity": 104.0, "at_70pct_b": {"rounds_short_p99": [36.8, 55.2]},
+                "sweep": [{"offered_rate": r} for r in (96.0, 104.0, 112.0, 128.0)]}
+    span = live_span(measured)
+    assert span == {"capacity_next": 112.0, "p99_rounds": [36.8, 55.2], "p99_spread": 0.5}
+    # the knee lies between 104 (passed) and 112 (missed): 120 is 15.4% over the one, 7% over the other
+    assert within(120.0, 104.0, 0.15) is False and within_span(120.0, 104.0, 112.0, 0.15) is True
+    assert within_span(129.0, 104.0, 112.0, 0.15) is False and within_span(88.0, 104.0, 112.0, 0.15) is False
+    # a p99 between the rounds' agrees; one a quarter under the faster round's does not
+    assert within_span(40.0, 36.8, 55.2, 0.25) is True and within_span(27.0, 36.8, 55.2, 0.25) is False
+    # no rate tried above the capacity, or no rounds: nothing wider than the figure itself
+    alone = live_span({"capacity": 50.0, "at_70pct_b": {}, "sweep": [{"offered_rate": 50.0}]})
+    assert alone == {"capacity_next": None, "p99_rounds": [], "p99_spread": None}
+    assert within_span(None, 1.0, 2.0, 0.15) is None
