@@ -35,7 +35,7 @@ help:
 	@echo "make bench-first-request the first request of each length after READY from outside, JIT C1 (shipped) vs the JVM's default"
 	@echo "make bench-idle    one pass after idle pauses of 1-200 ms: how cold a waiting worker gets"
 	@echo "make bench-beside  a short and a long pass alone and beside another lane's: what two lanes cost each other"
-	@echo "make bench-window  per workload: profiles, then make bench (b, t, d) in the same minutes, then the simulator against it (BENCH_ARGS='--out DIR')"
+	@echo "make bench-window  per workload: profiles, make bench (b, t, d), profiles again, in the same minutes, then the simulator against it (BENCH_ARGS='--out DIR')"
 	@echo "make bench-omp-pools  a lane's two-thread pass with one OpenMP team in the process, and with two"
 	@echo "make bench-borrow  borrow_cores off and on, live: lone long requests and the mix at light load (--before PY: a third arm from another checkout)"
 	@echo "make bench-workers the built archive with 1, 2 and 3 workers: lone requests, mixed load, logs, idle CPU"

@@ -100,7 +100,11 @@ def live_span(measured: dict) -> dict:
 
 
 def compare(live: dict, profiles: dict, profile_path: str, first_come: dict | None = None,
-            overheads: Overheads = Overheads()) -> dict:
+            overheads: Overheads = Overheads(), after: tuple[dict, dict | None] | None = None) -> dict:
+    """Each arm of a live run in the simulator. `after`: profiles (tsbatch's, first-come's) taken
+    right after the run, where its 70% point was measured last: that point is simulated with them,
+    the host's speed of its own minutes (on a shared host it moves by 10% within a run, and a p99
+    near half a lane's load moves about three times as much), the earlier profiles' figure kept beside."""
     tokens = workload_tokens(live["workload"])
     max_length = max(s.bucket for s in next(iter(profiles.values())).shapes if isinstance(s.bucket, int))
     target = live["latency_target_ms"]
@@ -111,6 +115,11 @@ def compare(live: dict, profiles: dict, profile_path: str, first_come: dict | No
         rate = measured["at_70pct_b"]["offered_rate"]
         predicted_capacity = capacity(arm, tokens, served, max_length, target, 30.0, 0, 1.0, overheads=overheads)
         point = at_rate(arm, rate, tokens, served, max_length, SIMULATED_AT_70, 0, overheads=overheads)
+        before_p99 = None
+        if after is not None:
+            later = after[1] if arm.kind == "first-come" and after[1] else after[0]
+            before_p99 = point.latency["short"]["p99"]
+            point = at_rate(arm, rate, tokens, later, max_length, SIMULATED_AT_70, 0, overheads=overheads)
         live_p99 = measured["at_70pct_b"]["short"]["p99"]
         sweep = []
         for live_point in sorted(measured["sweep"], key=lambda p: p["offered_rate"]):
@@ -132,6 +141,7 @@ def compare(live: dict, profiles: dict, profile_path: str, first_come: dict | No
                                                               span["capacity_next"] or measured["capacity"], CAPACITY_WITHIN)},
                       "short_p99_at_70pct_b": {"rate": rate, "live": live_p99, "simulated": simulated_p99,
                                                "agrees": within(simulated_p99, live_p99, P99_WITHIN),
+                                               "simulated_profile_before": before_p99,
                                                "live_rounds": span["p99_rounds"], "live_spread": span["p99_spread"],
                                                "within_span": within_span(simulated_p99, min(rounds), max(rounds), P99_WITHIN)}}
     return {"workload": live["workload"], "live_when": live["when"], "live_command": live["command"], "arms": rows}
@@ -151,8 +161,13 @@ def markdown(report: dict) -> str:
               "|---|---|---|---|---|---|"]
     for workload, name, row in rows:
         c, p = row["capacity"], row["short_p99_at_70pct_b"]
+        before = p.get("simulated_profile_before")
         lines.append(f"| {workload} | {name} | {c['live']} / {c['simulated']} | {yes(c['agrees'])} | "
-                     f"{p['live']} / {p['simulated']} (at {p['rate']} req/s) | {yes(p['agrees'])} |")
+                     f"{p['live']} / {p['simulated']} (at {p['rate']} req/s"
+                     + (f"; {before} with the profile before the run" if before is not None else "") + f") | {yes(p['agrees'])} |")
+    if any(row["short_p99_at_70pct_b"].get("simulated_profile_before") is not None for _, _, row in rows):
+        lines += ["", "Where a run has profiles taken right after it, its 70% point (measured last) is simulated "
+                  "with them, the host's speed of that point's minutes; capacity with the ones taken before."]
     lines += ["", "What one live run cannot tell apart: its capacity lies between the rate it reports and the "
               "next rate it tried (which missed); its p99 pools two rounds of 15 s, each a p99 of its own. "
               "The same agreement asked of the simulator against any value in those spans (a second reading; "
@@ -215,6 +230,7 @@ def main(argv=None) -> int:
     parser.add_argument("--profile-first-come", help="the first-come control's own passes (bench/control_profile.py)")
     parser.add_argument("--own-profiles", action="store_true",
                         help="each live report served with the profile.json and control-profile.json in its own folder "
+                             "(its 70%% point with profile-after.json and control-profile-after.json, where present) "
                              "(taken minutes before it: the host's speed of that window, not of another hour)")
     parser.add_argument("--overheads", metavar="JSON", help="a bench/overheads.py report measured on the live runs' "
                                                              "machine (default: the simulator's, fitted 12-02)")
@@ -232,12 +248,18 @@ def main(argv=None) -> int:
             folder = os.path.dirname(os.path.abspath(path))
             profile, first_come_path = os.path.join(folder, "profile.json"), os.path.join(folder, "control-profile.json")
         profiles, first_come = load_profiles(profile, args.profile_2t, first_come_path)
+        after = None
+        if args.own_profiles and os.path.exists(os.path.join(folder, "profile-after.json")):
+            control_after = os.path.join(folder, "control-profile-after.json")
+            after = load_profiles(os.path.join(folder, "profile-after.json"), None,
+                                  control_after if os.path.exists(control_after) else None)
         with open(path) as f:
-            result = compare(json.load(f), profiles, profile, first_come, overheads)
+            result = compare(json.load(f), profiles, profile, first_come, overheads, after)
         environments = {**{str(t): p.environment for t, p in profiles.items()},
                         **({"first-come": next(iter(first_come.values())).environment} if first_come else {})}
         if args.own_profiles:
-            result["profiles"] = {"from": os.path.relpath(os.path.dirname(profile)), **environments}
+            result["profiles"] = {"from": os.path.relpath(os.path.dirname(profile)), **environments,
+                                  **({"after": {str(t): p.environment for t, p in after[0].items()}} if after else {})}
         else:
             report["profiles"] = environments
         report["workloads"].append(result)

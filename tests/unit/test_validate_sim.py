@@ -70,3 +70,33 @@ def test_the_second_reading_judges_against_what_one_live_run_cannot_tell_apart()
     alone = live_span({"capacity": 50.0, "at_70pct_b": {}, "sweep": [{"offered_rate": 50.0}]})
     assert alone == {"capacity_next": None, "p99_rounds": [], "p99_spread": None}
     assert within_span(None, 1.0, 2.0, 0.15) is None
+
+
+def test_profiles_taken_after_a_run_serve_its_70pct_point_and_the_earlier_ones_its_capacity(tmp_path):
+    import json
+
+    from bench.validate_sim import main
+
+    with open(os.path.join(RESULTS, "control-profile.json")) as f:
+        control = json.load(f)
+    with open(os.path.join(RESULTS, "simulator-profile-lanes.json")) as f:
+        lanes = json.load(f)
+    slow = {**control, "shapes": [{**s, "median_ms": s["median_ms"] * 2, "p90_ms": s["p90_ms"] * 2}
+                                  for s in control["shapes"]]}
+    for name, later in (("alone", None), ("with-after", slow)):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "profile.json").write_text(json.dumps(lanes))
+        (folder / "control-profile.json").write_text(json.dumps(control))
+        if later:
+            (folder / "profile-after.json").write_text(json.dumps(lanes))
+            (folder / "control-profile-after.json").write_text(json.dumps(later))
+        (folder / "bench-long.json").write_text(json.dumps(live_first_come()))
+    assert main(["--own-profiles", str(tmp_path / "alone" / "bench-long.json"),
+                 str(tmp_path / "with-after" / "bench-long.json"), "--out", str(tmp_path / "vs")]) == 0
+    alone, with_after = (w["arms"]["b"] for w in json.loads((tmp_path / "vs.json").read_text())["workloads"])
+    assert with_after["capacity"]["simulated"] == alone["capacity"]["simulated"]  # the profiles before
+    p99 = with_after["short_p99_at_70pct_b"]
+    assert p99["simulated_profile_before"] == alone["short_p99_at_70pct_b"]["simulated"]
+    assert p99["simulated"] > p99["simulated_profile_before"]  # the passes of its own minutes, twice as slow
+    assert alone["short_p99_at_70pct_b"]["simulated_profile_before"] is None
