@@ -191,7 +191,9 @@ def markdown(report: dict) -> str:
     for result in report["workloads"]:
         lines += [f"## {result['workload']} (live: {result['live_when']}, `{result['live_command']}`)"]
         if result.get("profiles"):
-            lines += ["", f"Simulated with the profiles taken just before it, in `{result['profiles']['from']}`."]
+            lines += ["", f"Simulated with the profiles taken just before it"
+                      + (" (its 70% point with the ones taken just after it)" if result["profiles"].get("after") else "")
+                      + f", in `{result['profiles']['from']}`."]
         lines += ["", "Each rate of the live sweep, p99 in ms, live / simulated (short; long), and for tsbatch's "
                   "arms the median pass served, live / simulated (short; long, where the run timed long passes):", ""]
         for name, row in result["arms"].items():

@@ -17,6 +17,19 @@ def live_first_come() -> dict:
             "arms": {"b": {"capacity": 10.0, "at_70pct_b": at, "sweep": sweep}}}
 
 
+def profiles_read() -> tuple[dict, dict, dict]:
+    """tsbatch's lanes profile, first-come's, and first-come's with every pass twice as slow, as JSON."""
+    import json
+
+    with open(os.path.join(RESULTS, "control-profile.json")) as f:
+        control = json.load(f)
+    with open(os.path.join(RESULTS, "simulator-profile-lanes.json")) as f:
+        lanes = json.load(f)
+    slow = {**control, "shapes": [{**s, "median_ms": s["median_ms"] * 2, "p90_ms": s["p90_ms"] * 2}
+                                  for s in control["shapes"]]}
+    return lanes, control, slow
+
+
 def test_the_overheads_given_are_the_ones_simulated():
     control = pipeline.load_profile(os.path.join(RESULTS, "control-profile.json"))
     served = {profile_threads(control): control}
@@ -33,12 +46,7 @@ def test_own_profiles_serve_each_live_run_with_the_profiles_in_its_folder(tmp_pa
 
     from bench.validate_sim import main
 
-    with open(os.path.join(RESULTS, "control-profile.json")) as f:
-        control = json.load(f)
-    with open(os.path.join(RESULTS, "simulator-profile-lanes.json")) as f:
-        lanes = json.load(f)
-    slow = {**control, "shapes": [{**s, "median_ms": s["median_ms"] * 2, "p90_ms": s["p90_ms"] * 2}
-                                  for s in control["shapes"]]}
+    lanes, control, slow = profiles_read()
     paths = []
     for name, first_come in (("fast", control), ("slow", slow)):
         folder = tmp_path / name
@@ -77,12 +85,7 @@ def test_profiles_taken_after_a_run_serve_its_70pct_point_and_the_earlier_ones_i
 
     from bench.validate_sim import main
 
-    with open(os.path.join(RESULTS, "control-profile.json")) as f:
-        control = json.load(f)
-    with open(os.path.join(RESULTS, "simulator-profile-lanes.json")) as f:
-        lanes = json.load(f)
-    slow = {**control, "shapes": [{**s, "median_ms": s["median_ms"] * 2, "p90_ms": s["p90_ms"] * 2}
-                                  for s in control["shapes"]]}
+    lanes, control, slow = profiles_read()
     for name, later in (("alone", None), ("with-after", slow)):
         folder = tmp_path / name
         folder.mkdir()
