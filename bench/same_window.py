@@ -30,6 +30,19 @@ def step(what: str, command: list[str], log: str) -> None:
         subprocess.run(command, check=True, stdout=f, stderr=subprocess.STDOUT, cwd=REPO)
 
 
+def profiles(workload: str, out: str, suffix: str = "") -> None:
+    """tsbatch's passes (arm t is tuned from them) and first-come's, into OUT/profile{suffix}.json
+    and OUT/control-profile{suffix}.json."""
+    python = sys.executable
+    when = suffix.replace("-", " ")
+    step(f"{workload}: tsbatch profile{when}", [os.path.join(os.path.dirname(python), "tsbatch"), "profile", "--mode",
+                                                "continuous", "--out", os.path.join(out, f"profile{suffix}.json")],
+         os.path.join(out, f"profile{suffix}.log"))
+    step(f"{workload}: first-come's passes{when}", [python, "bench/control_profile.py", "--runs", "7", "--out",
+                                                    os.path.join(out, f"control-profile{suffix}.json")],
+         os.path.join(out, f"control{suffix}.log"))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", default="search,long,short,two-cluster")
@@ -37,25 +50,16 @@ def main() -> int:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     python = sys.executable
-    tsbatch = os.path.join(os.path.dirname(python), "tsbatch")
     for workload in args.workloads.split(","):
         out = os.path.join(args.out, workload)
         os.makedirs(out, exist_ok=True)
-        step(f"{workload}: tsbatch profile", [tsbatch, "profile", "--mode", "continuous",
-                                              "--out", os.path.join(out, "profile.json")], os.path.join(out, "profile.log"))
-        step(f"{workload}: first-come's passes", [python, "bench/control_profile.py", "--runs", "7", "--out",
-                                                  os.path.join(out, "control-profile.json")], os.path.join(out, "control.log"))
+        profiles(workload, out)
         step(f"{workload}: make bench", [python, "bench/run.py", "--workload", workload, "--rates", RATES[workload],
                                          "--arms", "b,t,d", "--profile", os.path.join(out, "profile.json"),
                                          "--duration", "15", "--rounds", "2", "--no-limit", "--no-light", "--out", out],
              os.path.join(out, "bench.log"))
-        # the 70% point is measured last, and the host's speed moves within a run: profile it again
-        step(f"{workload}: tsbatch profile after", [tsbatch, "profile", "--mode", "continuous", "--out",
-                                                    os.path.join(out, "profile-after.json")],
-             os.path.join(out, "profile-after.log"))
-        step(f"{workload}: first-come's passes after", [python, "bench/control_profile.py", "--runs", "7", "--out",
-                                                        os.path.join(out, "control-profile-after.json")],
-             os.path.join(out, "control-after.log"))
+        # the 70% point is measured last, and the host's speed can move within a run: profile it again
+        profiles(workload, out, "-after")
     live = sorted(glob.glob(os.path.join(args.out, "*", "bench*.json")))
     command = [python, "bench/validate_sim.py", "--own-profiles", *live, "--out",
                os.path.join(args.out, "simulator-vs-live")]

@@ -103,8 +103,9 @@ def compare(live: dict, profiles: dict, profile_path: str, first_come: dict | No
             overheads: Overheads = Overheads(), after: tuple[dict, dict | None] | None = None) -> dict:
     """Each arm of a live run in the simulator. `after`: profiles (tsbatch's, first-come's) taken
     right after the run, where its 70% point was measured last: that point is simulated with them,
-    the host's speed of its own minutes (on a shared host it moves by 10% within a run, and a p99
-    near half a lane's load moves about three times as much), the earlier profiles' figure kept beside."""
+    the host's speed of its own minutes (fc-v1252 once ran 30% slower a quarter hour after a profile,
+    and a p99 near half a lane's load moves about three times as much as the pass), the earlier
+    profiles' figure kept beside."""
     tokens = workload_tokens(live["workload"])
     max_length = max(s.bucket for s in next(iter(profiles.values())).shapes if isinstance(s.bucket, int))
     target = live["latency_target_ms"]
@@ -172,22 +173,21 @@ def markdown(report: dict) -> str:
               "next rate it tried (which missed); its p99 pools two rounds of 15 s, each a p99 of its own. "
               "The same agreement asked of the simulator against any value in those spans (a second reading; "
               "the table above is the verdict):", ""]
-    spans = [(workload, name, row) for workload, name, row in rows if "within_span" in row["capacity"]]
-    spread = sorted(row["short_p99_at_70pct_b"]["live_spread"] for _, _, row in spans
+    spread = sorted(row["short_p99_at_70pct_b"]["live_spread"] for _, _, row in rows
                     if row["short_p99_at_70pct_b"].get("live_spread") is not None)
     if spread:
         lines += [f"The rounds' p99s of one arm at one rate differ by {spread[len(spread) // 2]:.0%} in the median "
                   f"over these arms, by up to {spread[-1]:.0%}.", ""]
     lines += ["| workload | arm | live capacity, next rate tried / simulated | within 15% of the span | "
               "live p99 rounds / simulated | within 25% of the span |", "|---|---|---|---|---|---|"]
-    for workload, name, row in spans:
+    for workload, name, row in rows:
         c, p = row["capacity"], row["short_p99_at_70pct_b"]
         rounds = ", ".join(f"{r:g}" for r in p.get("live_rounds") or []) or "-"
         lines.append(f"| {workload} | {name} | {c['live']:g}, {'-' if c['live_next'] is None else format(c['live_next'], 'g')} "
                      f"/ {c['simulated']} | {yes(c['within_span'])} | {rounds} / {p['simulated']} | "
                      f"{yes(p['within_span'])} |")
-    both = [row for _, _, row in spans if row["capacity"]["within_span"] and row["short_p99_at_70pct_b"]["within_span"]]
-    lines += ["", f"{len(both)} of {len(spans)} arms within both spans.", ""]
+    both = [row for _, _, row in rows if row["capacity"]["within_span"] and row["short_p99_at_70pct_b"]["within_span"]]
+    lines += ["", f"{len(both)} of {len(rows)} arms within both spans.", ""]
     for result in report["workloads"]:
         lines += [f"## {result['workload']} (live: {result['live_when']}, `{result['live_command']}`)"]
         if result.get("profiles"):
