@@ -19,7 +19,9 @@ figures. Measured and modelled as factors, not mechanisms: a pass that runs besi
 slower (Overheads' beside, fitted live: in process two lanes run within 3% of alone, make
 bench-beside, so it most likely stands for the worker's and the frontend's other work), and a team of threads that waited pays
 more for its next pass the longer it waited (Overheads' cold: caches and sleeping threads, from
-make bench-idle). Not at all: a machine whose speed drifts.
+make bench-idle), and a tsbatch pass runs slower the more requests per second the worker takes in
+(Overheads' intake: its intake thread holds the interpreter between the lane's operators; fitted
+to live runs, bench/intake_fit.py). Not at all: a machine whose speed drifts.
 """
 from __future__ import annotations
 
@@ -77,6 +79,11 @@ class Overheads:
     cold: tuple[tuple[int, int, float], ...] = ()
     cold_tau: float = 0.03
     window: float = 1.0  # seconds over which the frontend's recent load is counted
+    # a tsbatch pass runs (1 + intake x requests/s taken in) times slower: the worker's thread that
+    # takes requests in (TorchServe's protocol, parsing, tokenizing, replies) holds the interpreter
+    # between the lane's operators. Fitted to live runs' short passes against the simulated ones
+    # (bench/intake_fit.py); first-come runs its passes on that same thread, so never beside it
+    intake: float = 0.0
 
     @classmethod
     def from_report(cls, path: str) -> "Overheads":
@@ -110,6 +117,8 @@ class Overheads:
             extra["beside"] = float(beside)
         if fit.get("beside_long") is not None:
             extra["beside_long"] = float(fit["beside_long"])
+        if fit.get("intake") is not None:
+            extra["intake"] = float(fit["intake"])
         if fit.get("cold"):
             extra["cold"] = tuple((int(t), int(n), float(s)) for t, n, s in fit["cold"])
             extra["cold_tau"] = float(fit["cold_tau"])
@@ -322,6 +331,7 @@ class Simulation:
         self.seen = 0.0  # when `running` was last brought up to date
         self.recent: list[float] = []  # arrivals within the window
         self.curve = overheads.outside  # the measured curve of the arm's kind: simulate() sets first-come's
+        self.intake = overheads.intake  # per request/s taken in, how much slower a pass runs (0 for first-come)
         self.last_ran: dict[object, float] = {}  # a team of threads -> when its last pass ended
 
     def at(self, when: float, action: Callable[[], None]) -> None:
@@ -371,12 +381,13 @@ class Simulation:
         window = self.overheads.window
         while self.recent and self.recent[0] < self.now - window:
             self.recent.pop(0)
-        outside = outside_cores(self.curve, len(self.recent) / window)
+        rate = len(self.recent) / window
+        outside = outside_cores(self.curve, rate)
         demands = [(outside, 1.0)] + [(entry[1], entry[4]) for entry in self.running.values()]
         shares = shares_of(demands, self.cores)[1:]
         longs = sum(entry[6] for entry in self.running.values())
         for (pid, entry), share in zip(self.running.items(), shares):
-            entry[5] = share ** entry[1]  # a team waits at every op for its slowest thread
+            entry[5] = share ** entry[1] / (1 + self.intake * rate)  # a team waits at every op for its slowest thread
             if longs - entry[6] > 0:  # a long pass runs beside this one
                 entry[5] /= self.overheads.beside_factor(long=entry[6])
             entry[2] += 1
@@ -701,7 +712,7 @@ def simulate(arm: Arm, arrivals: Sequence[Arrival], profiles: dict[int, object],
     """Serve `arrivals` with `arm` and report it. `profiles`: latency profiles by intra-op threads."""
     sim = Simulation(cores, overheads)
     if arm.kind == "first-come":
-        sim.curve = overheads.outside_first_come
+        sim.curve, sim.intake = overheads.outside_first_come, 0.0
     fleet = Fleet(sim, arm, PassTimes(profiles, seed), max_length, arrivals)
     end = (arrivals[-1].at if arrivals else 0.0) + 60.0  # a drain after the last arrival
     sim.run(end)

@@ -137,6 +137,11 @@ def markdown(report: dict) -> str:
     lines += ["", "The simulator's Overheads from these (`fit` in bench/overheads.py; (answered req/s, cores outside the "
               f"passes)): `outside` (continuous mode) {f['outside']}, `outside_first_come` {f['outside_first_come']}, "
               f"`latency` {f['latency']} s.{cold}", ""]
+    if report.get("intake"):
+        i = report["intake"]
+        lines += [f"`intake` {i['intake']}: a tsbatch pass runs 1 + intake x requests/s slower, fitted by `{i['command']}` "
+                  f"({i['when']}) to {i['points']} live short passes of {i['groups']} runs and arms, each at its own "
+                  f"level (squared log misfit {i['misfit']}, {i['misfit_without']} without).", ""]
     if report.get("passes"):
         p = report["passes"]
         lines += [f"`beside` {p['beside']}: with it, a short pass served over the simulated one, at arm d's rates from "

@@ -153,7 +153,9 @@ def markdown(report: dict) -> str:
              f"Machine: {report['machine']}. Command: `{report['command']}`.",
              f"Agreement asked: capacity within {CAPACITY_WITHIN:.0%} of live, short p99 at 70% of first-come's "
              f"capacity within {P99_WITHIN:.0%}. Simulated: 30 s per rate for capacity (1 req/s resolution), "
-             f"{SIMULATED_AT_70:g} s at the 70% rate, seed 0; the live runs' own settings are in their reports.", ""]
+             f"{SIMULATED_AT_70:g} s at the 70% rate, seed 0; the live runs' own settings are in their reports."
+             + (f" tsbatch's passes run 1 + {report['intake']} x requests/s slower (the overheads' `intake`, "
+                "fitted by bench/intake_fit.py)." if report.get("intake") else ""), ""]
     yes = lambda v: {True: "yes", False: "**no**", None: "-"}[v]  # noqa: E731
     rows = [(result["workload"], name, row) for result in report["workloads"] for name, row in result["arms"].items()]
     agreed = [row for _, _, row in rows if row["capacity"]["agrees"] and row["short_p99_at_70pct_b"]["agrees"]]
@@ -243,7 +245,7 @@ def main(argv=None) -> int:
     overheads = Overheads.from_report(args.overheads) if args.overheads else Overheads()
     report = {"when": reports.utc_now(), "machine": reports.machine(),
               "command": "python bench/validate_sim.py " + " ".join(sys.argv[1:] if argv is None else argv),
-              "profiles": {}, "workloads": []}
+              "intake": overheads.intake, "profiles": {}, "workloads": []}
     for path in args.live:
         profile, first_come_path = args.profile, args.profile_first_come
         if args.own_profiles:

@@ -153,6 +153,29 @@ def test_a_measured_long_beside_long_factor_slows_long_passes_and_leaves_short_o
     assert ends["short"] == pytest.approx(6.5) and ends["long"] == pytest.approx(8.0)
 
 
+def test_a_pass_runs_slower_by_intake_per_request_per_second_taken_in():
+    ends = {}
+    sim = Simulation(cores=2, overheads=Overheads(outside=((1.0, 0.0),), beside=1.0, intake=0.01))
+    for _ in range(10):
+        sim.at(0.0, sim.arrived)
+    sim.at(0.0, lambda: sim.start(1.0, 1, lambda: ends.setdefault("pass", sim.now), length=16))
+    sim.run(100)
+    # 10 req/s in the window: 1.1x slower until the arrivals leave it at 1 s, then alone
+    assert ends["pass"] == pytest.approx(1.0 + (1 - 1 / 1.1))
+
+
+def test_intake_slows_tsbatch_passes_and_not_first_comes_which_take_requests_in_on_their_own_thread():
+    from dataclasses import replace
+
+    tokens = workload_tokens("short")
+    slowed = replace(NO_OUTSIDE, intake=0.005)
+    plain = at_rate(TEMPLATE, 60, tokens, PROFILES, MAX_LENGTH, duration=10, overheads=NO_OUTSIDE)
+    busy = at_rate(TEMPLATE, 60, tokens, PROFILES, MAX_LENGTH, duration=10, overheads=slowed)
+    assert busy.latency["short"]["pass_p50"] > plain.latency["short"]["pass_p50"] * 1.2
+    assert (at_rate(FIRST_COME, 60, tokens, PROFILES, MAX_LENGTH, duration=10, overheads=slowed)
+            == at_rate(FIRST_COME, 60, tokens, PROFILES, MAX_LENGTH, duration=10, overheads=NO_OUTSIDE))
+
+
 def test_a_team_that_waited_pays_the_measured_cold_cost_for_its_next_pass():
     cold = Overheads(outside=((1.0, 0.0),), beside=1.0, cold=((1, 16, 0.4), (1, 256, 0.1), (2, 16, 0.8)), cold_tau=0.5)
     assert cold.cold_after(math.inf, threads=1, length=16) == pytest.approx(0.4)
@@ -296,13 +319,16 @@ def test_overheads_measured_on_another_machine_come_from_its_report_and_change_t
     shipped = Overheads.from_report(os.path.join(REPO, "bench", "results", "overheads.json"))
     assert shipped.outside == Overheads().outside and shipped.beside == Overheads().beside  # the defaults cite it
     busy = {"fit": {"outside": [[1.0, 0.05]], "outside_first_come": [[1.0, 0.05]], "latency": 0.02,
-                    "cold": [[1, 16, 0.004]], "cold_tau": 0.03, "beside_long": 1.1}, "passes": {"beside": 2.0}}
+                    "cold": [[1, 16, 0.004]], "cold_tau": 0.03, "beside_long": 1.1, "intake": 0.001},
+            "passes": {"beside": 2.0}}
     path = tmp_path / "overheads.json"
     path.write_text(json.dumps(busy))
     loaded = Overheads.from_report(str(path))
     assert loaded.outside == ((1.0, 0.05),) and loaded.latency == 0.02 and loaded.beside == 2.0
     assert loaded.cold == ((1, 16, 0.004),) and loaded.cold_tau == 0.03 and loaded.beside_long == 1.1
+    assert loaded.intake == 0.001
     assert shipped.beside_long is None  # not measured where the defaults come from: `beside` stands
+    assert shipped.intake == Overheads().intake == 0.0  # ... nor intake
     (tmp_path / "bad.json").write_text(json.dumps({"fit": {"outside": []}}))
     with pytest.raises(ValueError, match="bad.json"):
         Overheads.from_report(str(tmp_path / "bad.json"))
