@@ -8,12 +8,17 @@ slowed by the same factor, never measured. This measures every pairing in proces
 TorchServe: the subject pass on this thread, back to back, alone and while a second thread loops
 a short or a long pass (lane 1, as the worker's long lane: its own thread, its own team, nice 10),
 the three conditions taking turns round by round so the machine's drift falls on each alike.
+And the short pass beside a thread that does Python work part of the time (`--python-duty`), as a
+worker's intake thread does per request (parsing, replies: here JSON of a 384-float vector): two
+threads of one process share one interpreter, so a lane pays for the intake's Python even when the
+intake runs on the other core (the simulator's `intake`, fitted live by bench/intake_fit.py).
 Writes bench/results/beside.json and beside.md; `bench/overheads.py --refit ... --beside` takes
 its `fit` into an overheads report.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import threading
@@ -27,6 +32,15 @@ from bench.loadtest import report as reports  # noqa: E402
 from bench.loadtest.stats import percentile  # noqa: E402
 
 BESIDE = ("alone", "short", "long")
+PYTHON_PERIOD = 0.005  # seconds: the Python thread's cycle of work then sleep (a request each 5 ms is 200 req/s)
+
+
+def python_beside(duty: float) -> str:
+    return f"python {duty:.0%}"
+
+
+def order(beside: str) -> tuple[int, str]:
+    return (BESIDE.index(beside), "") if beside in BESIDE else (len(BESIDE), beside.rjust(12))
 
 
 def shape(text: str) -> tuple[int, int]:
@@ -38,7 +52,7 @@ def shape(text: str) -> tuple[int, int]:
 def slowdowns(times: dict[tuple[str, str], list[float]]) -> list[dict]:
     """Per (subject, beside) the median pass and its ratio to the same subject's alone."""
     rows = []
-    for (subject, beside), values in sorted(times.items(), key=lambda kv: (kv[0][0], BESIDE.index(kv[0][1]))):
+    for (subject, beside), values in sorted(times.items(), key=lambda kv: (kv[0][0], order(kv[0][1]))):
         alone = percentile(times[(subject, "alone")], 50)
         p50 = percentile(values, 50)
         rows.append({"subject": subject, "beside": beside, "samples": len(values), "p50_ms": round(p50, 2),
@@ -50,8 +64,21 @@ def fit(rows: list[dict]) -> dict:
     """The simulator's factors: a short pass beside a long one (`beside`, for comparison with the
     one fitted live) and a long pass beside a long one (`beside_long`)."""
     ratio = {(r["subject"], r["beside"]): r["vs_alone"] for r in rows}
+    python = {beside: vs for (subject, beside), vs in ratio.items() if subject == "short" and beside not in BESIDE}
     return {"beside": ratio[("short", "long")], "beside_long": ratio[("long", "long")],
-            "short_beside_short": ratio[("short", "short")]}
+            "short_beside_short": ratio[("short", "short")], **({"short_beside_python": python} if python else {})}
+
+
+def python_work(duty: float, stop: threading.Event) -> None:
+    """Python for `duty` of every PYTHON_PERIOD, asleep (the interpreter free) for the rest."""
+    vector = [0.123456789 * i for i in range(384)]
+    while not stop.is_set():
+        begun = time.perf_counter()
+        while time.perf_counter() - begun < duty * PYTHON_PERIOD:
+            json.loads(json.dumps({"embedding": vector}))
+        rest = PYTHON_PERIOD - (time.perf_counter() - begun)
+        if rest > 0:
+            time.sleep(rest)
 
 
 def main() -> None:
@@ -61,11 +88,15 @@ def main() -> None:
     parser.add_argument("--long", default="2x256", help="the long pass: batch x tokens")
     parser.add_argument("--samples", type=int, default=8, help="subject passes per condition and round")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--python-duty", default="0.2,0.5",
+                        help="comma-separated shares of time a Python thread works beside the short pass (empty: none)")
     parser.add_argument("--out", default=reports.RESULTS)
     args = parser.parse_args()
 
+    from tsbatch.handlers.edge.tsbatch_handler import LANE_SWITCH_INTERVAL_S
     from tsbatch.handlers.runtime.warming import example_batch
 
+    sys.setswitchinterval(LANE_SWITCH_INTERVAL_S)  # as a worker with lanes runs
     runner, model_dir = load_encoder(args.model_dir)
     shapes = {"short": shape(args.short), "long": shape(args.long)}
     batches = {kind: example_batch(runner, *size_length) for kind, size_length in shapes.items()}
@@ -81,13 +112,19 @@ def main() -> None:
         while not stop.is_set():
             runner.forward(batches[kind])
 
+    duties = [float(d) for d in args.python_duty.split(",") if d.strip()]
     times: dict[tuple[str, str], list[float]] = {}
     for round_ in range(args.rounds):
         for subject in ("short", "long"):
-            for beside in BESIDE:
+            for beside in BESIDE + (tuple(python_beside(d) for d in duties) if subject == "short" else ()):
                 stop, started = threading.Event(), threading.Event()
                 other = None
-                if beside != "alone":
+                if beside.startswith("python"):
+                    duty = duties[[python_beside(d) for d in duties].index(beside)]
+                    other = threading.Thread(target=python_work, args=(duty, stop), daemon=True)
+                    other.start()
+                    time.sleep(2 * PYTHON_PERIOD)
+                elif beside != "alone":
                     other = threading.Thread(target=loop, args=(beside, stop, started), daemon=True)
                     other.start()
                     started.wait()
@@ -108,7 +145,10 @@ def main() -> None:
     lines = [f"# A pass beside another lane's pass ({report['when']}, {report['machine']})", "",
              f"Short pass: batch {shapes['short'][0]} x {shapes['short'][1]} tokens; long pass: batch "
              f"{shapes['long'][0]} x {shapes['long'][1]} tokens; one intra-op thread each, the second on its own "
-             f"thread at nice 10; {args.rounds} rounds of {args.samples} passes per condition, in turns.", "",
+             f"thread at nice 10; {args.rounds} rounds of {args.samples} passes per condition, in turns; the "
+             f"interpreter's switch interval the worker's ({LANE_SWITCH_INTERVAL_S * 1000:g} ms)."
+             + (f" Beside `python N%`: a thread doing Python (JSON of a 384-float vector) N% of every "
+                f"{PYTHON_PERIOD * 1000:g} ms, asleep the rest." if duties else ""), "",
              "| pass | beside it | median | p90 | median vs alone |", "|---|---|---|---|---|"]
     lines += [f"| {r['subject']} | {r['beside']} | {r['p50_ms']} ms | {r['p90_ms']} ms | {r['vs_alone']}x |"
               for r in rows]
@@ -117,6 +157,10 @@ def main() -> None:
               f"runs {f['beside_long']}x slower (Overheads' beside_long); a short one beside a long one "
               f"{f['beside']}x here, in process (the simulator's `beside` stays the one fitted to a live run's short "
               f"passes, which also carry the frontend's work beside them)."]
+    if f.get("short_beside_python"):
+        lines += ["", "A short pass beside Python work in the same process: " + ", ".join(
+            f"{k} {v}x" for k, v in f["short_beside_python"].items()) + " (the simulator's `intake` is fitted live, "
+            "bench/intake_fit.py; this says how much of it one interpreter shared with the intake can explain)."]
     reports.write(os.path.join(args.out, "beside"), report, "\n".join(lines) + "\n", indent=2)
     print("\n".join(lines))
 

@@ -143,6 +143,12 @@ def test_beside_ratios_are_each_subjects_median_against_its_own_alone_and_feed_t
     assert ratio[("short", "alone")] == 1.0 and ratio[("short", "long")] == 1.2 and ratio[("long", "long")] == 1.2
     assert ratio[("long", "short")] == 1.04  # a median: the one slow pass does not count
     assert fit_beside(rows) == {"beside": 1.2, "beside_long": 1.2, "short_beside_short": 0.909}
+    times[("short", "python 50%")] = [12.1] * 8
+    times[("short", "python 20%")] = [11.55] * 8
+    rows = slowdowns(times)
+    assert [r["beside"] for r in rows if r["subject"] == "short"] == ["alone", "short", "long", "python 20%",
+                                                                       "python 50%"]
+    assert fit_beside(rows)["short_beside_python"] == {"python 20%": 1.05, "python 50%": 1.1}
 
 
 def _counting_server():
