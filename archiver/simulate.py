@@ -699,7 +699,7 @@ class Point:
     status: dict
     throughput: float
     padding_waste: float | None
-    latency: dict  # "all" | "short" | "long" -> {"p50", "p95", "p99", "n", "pass_p50"} in ms (pass_p50: its passes')
+    latency: dict  # "all" | "short" | "long" -> {"p50", "p95", "p99", "n", "pass_p50", "pass_p99"} in ms (pass_: its passes')
 
     def passes(self, target_ms: float) -> bool:
         """Served within the target: every request answered 200 and p99 under it."""
@@ -732,6 +732,7 @@ def simulate(arm: Arm, arrivals: Sequence[Arrival], profiles: dict[int, object],
         latency[kind]["n"] = len(ms)
         passes = [o.pass_seconds * 1000 for o in ok if (kind == "all" or o.kind == kind) and o.pass_seconds]
         latency[kind]["pass_p50"] = round(percentile(passes, 50), 1) if passes else None
+        latency[kind]["pass_p99"] = round(percentile(passes, 99), 1) if passes else None
     return Point(rate, len(outcomes), len(ok), status, round(len(ok) / span, 2) if span > 0 else 0.0,
                  round(1 - real / padded, 4) if padded else None, latency)
 

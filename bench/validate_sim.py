@@ -99,6 +99,14 @@ def live_span(measured: dict) -> dict:
             "p99_rounds": rounds, "p99_spread": round(max(rounds) / min(rounds) - 1, 3) if len(rounds) > 1 and min(rounds) else None}
 
 
+def passes(breakdown: dict | None, simulated: dict) -> dict:
+    """A class's passes, live (make bench's breakdown of x-tsbatch-timing) and simulated: the median,
+    and the p99, where a host's tail shows that an in-process profile does not carry."""
+    breakdown = breakdown or {}
+    return {"live": breakdown.get("pass"), "simulated": simulated["pass_p50"],
+            "live_p99": (breakdown.get("p99") or {}).get("pass"), "simulated_p99": simulated.get("pass_p99")}
+
+
 def compare(live: dict, profiles: dict, profile_path: str, first_come: dict | None = None,
             overheads: Overheads = Overheads(), after: tuple[dict, dict | None] | None = None) -> dict:
     """Each arm of a live run in the simulator. `after`: profiles (tsbatch's, first-come's) taken
@@ -130,9 +138,9 @@ def compare(live: dict, profiles: dict, profile_path: str, first_come: dict | No
             sweep.append({"rate": live_point["offered_rate"], "live": {k: live_point[k]["p99"] for k in ("short", "long")},
                           "live_again": {k: again[k]["p99"] for k in ("short", "long")} if again else None,
                           "simulated": {k: simulated[k]["p99"] for k in ("short", "long")},
-                          # the median pass of each class, served: tsbatch's x-tsbatch-timing, and the simulator's
-                          **{f"{k}_pass_ms": {"live": live_point.get(f"{k}_breakdown_ms", {}).get("pass"),
-                                              "simulated": simulated[k]["pass_p50"]} for k in ("short", "long")}})
+                          # each class's pass served, median and p99: tsbatch's x-tsbatch-timing, and the simulator's
+                          **{f"{k}_pass_ms": passes(live_point.get(f"{k}_breakdown_ms"), simulated[k])
+                             for k in ("short", "long")}})
         span, simulated_p99 = live_span(measured), point.latency["short"]["p99"]
         rounds = span["p99_rounds"] or [live_p99]
         rows[name] = {"sweep": sweep, "capacity": {"live": measured["capacity"], "simulated": predicted_capacity,
@@ -143,6 +151,8 @@ def compare(live: dict, profiles: dict, profile_path: str, first_come: dict | No
                       "short_p99_at_70pct_b": {"rate": rate, "live": live_p99, "simulated": simulated_p99,
                                                "agrees": within(simulated_p99, live_p99, P99_WITHIN),
                                                "simulated_profile_before": before_p99,
+                                               "pass_ms": passes(measured["at_70pct_b"].get("short_breakdown_ms"),
+                                                                 point.latency["short"]),
                                                "live_rounds": span["p99_rounds"], "live_spread": span["p99_spread"],
                                                "within_span": within_span(simulated_p99, min(rounds), max(rounds), P99_WITHIN)}}
     return {"workload": live["workload"], "live_when": live["when"], "live_command": live["command"], "arms": rows}
@@ -196,14 +206,22 @@ def markdown(report: dict) -> str:
             lines += ["", f"Simulated with the profiles taken just before it"
                       + (" (its 70% point with the ones taken just after it)" if result["profiles"].get("after") else "")
                       + f", in `{result['profiles']['from']}`."]
+        timed = {name: row["short_p99_at_70pct_b"].get("pass_ms") or {} for name, row in result["arms"].items()}
+        timed = {name: p for name, p in timed.items() if p.get("live_p99")}
+        if timed:
+            lines += ["", "The short passes at the 70% rate, median and p99 in ms, live / simulated: " + ", ".join(
+                f"{name} {p['live']} / {p['simulated']} and {p['live_p99']} / {p['simulated_p99']}"
+                for name, p in timed.items()) + "."]
         lines += ["", "Each rate of the live sweep, p99 in ms, live / simulated (short; long), and for tsbatch's "
-                  "arms the median pass served, live / simulated (short; long, where the run timed long passes):", ""]
+                  "arms the pass served, median (and p99 where the run timed it), live / simulated (short; long, "
+                  "where the run timed long passes):", ""]
         for name, row in result["arms"].items():
             cells = []
             for pt in row["sweep"]:
                 again = pt.get("live_again")
                 timed = (pt.get(f"{kind}_pass_ms", {}) for kind in ("short", "long"))
-                passes = [f"{p['live']} / {p['simulated']}" for p in timed if p.get("live")]
+                passes = [f"{p['live']} / {p['simulated']}" + (f", p99 {p['live_p99']} / {p['simulated_p99']}"
+                                                               if p.get("live_p99") else "") for p in timed if p.get("live")]
                 cells.append(f"{pt['rate']:g}: {pt['live']['short']} / {pt['simulated']['short']}; "
                              f"{pt['live']['long']} / {pt['simulated']['long']}"
                              + (f" (again: {again['short']}; {again['long']})" if again else "")

@@ -103,3 +103,23 @@ def test_profiles_taken_after_a_run_serve_its_70pct_point_and_the_earlier_ones_i
     assert p99["simulated_profile_before"] == alone["short_p99_at_70pct_b"]["simulated"]
     assert p99["simulated"] > p99["simulated_profile_before"]  # the passes of its own minutes, twice as slow
     assert alone["short_p99_at_70pct_b"]["simulated_profile_before"] is None
+
+
+def test_tsbatch_passes_are_compared_at_the_median_and_at_p99_where_a_hosts_tail_shows():
+    from bench.validate_sim import markdown
+
+    lanes = pipeline.load_profile(os.path.join(RESULTS, "simulator-profile-lanes.json"))
+    served = {profile_threads(lanes): lanes}
+    timing = {"pass": 12.0, "p99": {"pass": 80.0}}
+    at = {"offered_rate": 6.0, "short": {"p99": 100.0}, "short_breakdown_ms": timing}
+    live = {"workload": "long", "when": "now", "command": "make bench", "latency_target_ms": 500.0,
+            "arms": {"d": {"capacity": 10.0, "at_70pct_b": at, "sweep": [
+                {"offered_rate": 6.0, "short": {"p99": 100.0}, "long": {"p99": 200.0}, "short_breakdown_ms": timing}]}}}
+    row = compare(live, served, "", None)["arms"]["d"]
+    at_70, swept = row["short_p99_at_70pct_b"]["pass_ms"], row["sweep"][0]["short_pass_ms"]
+    assert at_70["live"] == swept["live"] == 12.0 and at_70["live_p99"] == swept["live_p99"] == 80.0
+    assert 0 < at_70["simulated"] <= at_70["simulated_p99"] and swept["simulated_p99"] >= swept["simulated"]
+    text = markdown({"when": "now", "machine": "here", "command": "validate", "workloads": [
+        {**compare(live, served, "", None), "profiles": {}}]})
+    assert f"d 12.0 / {at_70['simulated']} and 80.0 / {at_70['simulated_p99']}" in text
+    assert f"p99 80.0 / {swept['simulated_p99']}" in text
