@@ -39,8 +39,9 @@ def python_beside(duty: float) -> str:
     return f"python {duty:.0%}"
 
 
-def order(beside: str) -> tuple[int, str]:
-    return (BESIDE.index(beside), "") if beside in BESIDE else (len(BESIDE), beside.rjust(12))
+def order(beside: str) -> tuple[int, int]:
+    """Lanes' conditions first, as BESIDE lists them, then Python's by its share of time."""
+    return (BESIDE.index(beside), 0) if beside in BESIDE else (len(BESIDE), int(beside.split()[1].rstrip("%")))
 
 
 def shape(text: str) -> tuple[int, int]:
@@ -116,11 +117,11 @@ def main() -> None:
     times: dict[tuple[str, str], list[float]] = {}
     for round_ in range(args.rounds):
         for subject in ("short", "long"):
-            for beside in BESIDE + (tuple(python_beside(d) for d in duties) if subject == "short" else ()):
+            pythons = [(python_beside(d), d) for d in duties] if subject == "short" else []
+            for beside, duty in [(b, None) for b in BESIDE] + pythons:
                 stop, started = threading.Event(), threading.Event()
                 other = None
-                if beside.startswith("python"):
-                    duty = duties[[python_beside(d) for d in duties].index(beside)]
+                if duty is not None:
                     other = threading.Thread(target=python_work, args=(duty, stop), daemon=True)
                     other.start()
                     time.sleep(2 * PYTHON_PERIOD)

@@ -99,7 +99,7 @@ def live_span(measured: dict) -> dict:
             "p99_rounds": rounds, "p99_spread": round(max(rounds) / min(rounds) - 1, 3) if len(rounds) > 1 and min(rounds) else None}
 
 
-def passes(breakdown: dict | None, simulated: dict) -> dict:
+def pass_times(breakdown: dict | None, simulated: dict) -> dict:
     """A class's passes, live (make bench's breakdown of x-tsbatch-timing) and simulated: the median,
     and the p99, where a host's tail shows that an in-process profile does not carry."""
     breakdown = breakdown or {}
@@ -139,7 +139,7 @@ def compare(live: dict, profiles: dict, profile_path: str, first_come: dict | No
                           "live_again": {k: again[k]["p99"] for k in ("short", "long")} if again else None,
                           "simulated": {k: simulated[k]["p99"] for k in ("short", "long")},
                           # each class's pass served, median and p99: tsbatch's x-tsbatch-timing, and the simulator's
-                          **{f"{k}_pass_ms": passes(live_point.get(f"{k}_breakdown_ms"), simulated[k])
+                          **{f"{k}_pass_ms": pass_times(live_point.get(f"{k}_breakdown_ms"), simulated[k])
                              for k in ("short", "long")}})
         span, simulated_p99 = live_span(measured), point.latency["short"]["p99"]
         rounds = span["p99_rounds"] or [live_p99]
@@ -151,7 +151,7 @@ def compare(live: dict, profiles: dict, profile_path: str, first_come: dict | No
                       "short_p99_at_70pct_b": {"rate": rate, "live": live_p99, "simulated": simulated_p99,
                                                "agrees": within(simulated_p99, live_p99, P99_WITHIN),
                                                "simulated_profile_before": before_p99,
-                                               "pass_ms": passes(measured["at_70pct_b"].get("short_breakdown_ms"),
+                                               "pass_ms": pass_times(measured["at_70pct_b"].get("short_breakdown_ms"),
                                                                  point.latency["short"]),
                                                "live_rounds": span["p99_rounds"], "live_spread": span["p99_spread"],
                                                "within_span": within_span(simulated_p99, min(rounds), max(rounds), P99_WITHIN)}}
