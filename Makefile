@@ -20,7 +20,7 @@ ARCHIVE_ARGS ?=
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 SERVE_ENV = TMPDIR=$(RUN_DIR)/tmp TEMP=$(RUN_DIR)/tmp LOG_LOCATION=$(RUN_DIR)/logs METRICS_LOCATION=$(RUN_DIR)/logs PATH=$(CURDIR)/$(VENV)/bin:$$PATH
 
-.PHONY: setup java archive serve stop test test-unit test-transformers4 test-wheel bench-all bench-generate bench-many bench-saturation bench-frontend bench-overload bench bench-warmup bench-warmup-served bench-first-request bench-idle bench-beside bench-window bench-omp-pools bench-borrow bench-workers gpu-check soak chaos bench-recovery clean help
+.PHONY: setup java archive serve stop test test-unit test-transformers4 test-wheel bench-all bench-generate bench-many bench-saturation bench-frontend bench-overload bench bench-warmup bench-warmup-served bench-first-request bench-idle bench-beside bench-spread bench-window bench-omp-pools bench-borrow bench-workers gpu-check soak chaos bench-recovery clean help
 
 help:
 	@echo "make serve    set up, archive all-MiniLM-L6-v2 as '$(NAME)' and serve it on 127.0.0.1:8080-8082"
@@ -35,6 +35,7 @@ help:
 	@echo "make bench-first-request the first request of each length after READY from outside, JIT C1 (shipped) vs the JVM's default"
 	@echo "make bench-idle    one pass after idle pauses of 1-200 ms: how cold a waiting worker gets"
 	@echo "make bench-beside  a short and a long pass alone and beside another lane's: what two lanes cost each other"
+	@echo "make bench-spread  hundreds of short passes in process: how much a pass varies on this host"
 	@echo "make bench-window  per workload: profiles, make bench (b, t, d), profiles again, in the same minutes, then the simulator against it (BENCH_ARGS='--out DIR')"
 	@echo "make bench-omp-pools  a lane's two-thread pass with one OpenMP team in the process, and with two"
 	@echo "make bench-borrow  borrow_cores off and on, live: lone long requests and the mix at light load (--before PY: a third arm from another checkout)"
@@ -142,6 +143,9 @@ bench-idle: setup
 
 bench-beside: setup
 	$(PYTHON) bench/beside_bench.py $(BENCH_ARGS)
+
+bench-spread: setup
+	$(PYTHON) bench/spread_bench.py $(BENCH_ARGS)
 
 bench-window: setup java $(VENV)/.bench-tools
 	$(PYTHON) bench/same_window.py $(BENCH_ARGS)

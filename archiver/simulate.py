@@ -3,7 +3,8 @@
 `tsbatch tune` asks it which configuration to ship and `tsbatch simulate` answers "what would this
 archive do under that traffic" in seconds. A tsbatch arm runs the very Policy the lane threads run
 (handlers/core/policy.py), with pass times drawn from the latency profile with its spread (lognormal
-through the shape's median and p90), on cores shared as Linux's fair scheduler shares them: every
+through the shape's median and p90, or the profile's median times a ratio drawn from the host's
+spread measured over hundreds of passes, Overheads' spread), on cores shared as Linux's fair scheduler shares them: every
 running pass's threads and the work outside passes (TorchServe's frontend, its protocol, parsing
 and JSON: per request, and per continuous-mode call) claim cores, the long lane's nice-10 threads
 yield to the rest, and a team of intra-op threads waits for its slowest thread. The continuous
@@ -84,6 +85,10 @@ class Overheads:
     # between the lane's operators. Fitted to live runs' short passes against the simulated ones
     # (bench/intake_fit.py); first-come runs its passes on that same thread, so never beside it
     intake: float = 0.0
+    # how much a pass varies on the host: (quantile, pass over its shape's median), measured over
+    # hundreds of passes (bench/spread_bench.py); each pass is drawn as the profile's median times a
+    # ratio from it. None measured (()): the profile's own spread, lognormal through median and p90
+    spread: tuple[tuple[float, float], ...] = ()
 
     @classmethod
     def from_report(cls, path: str) -> "Overheads":
@@ -119,6 +124,8 @@ class Overheads:
             extra["beside_long"] = float(fit["beside_long"])
         if fit.get("intake") is not None:
             extra["intake"] = float(fit["intake"])
+        if fit.get("spread"):
+            extra["spread"] = _spread(fit["spread"], source)
         if fit.get("cold"):
             extra["cold"] = tuple((int(t), int(n), float(s)) for t, n, s in fit["cold"])
             extra["cold_tau"] = float(fit["cold_tau"])
@@ -139,6 +146,20 @@ class Overheads:
         ends = min(points), max(points)
         full = _along(points, min(max(length, ends[0]), ends[1]))[0]
         return full * (1.0 - math.exp(-pause / self.cold_tau))
+
+
+def _spread(points, source: str) -> tuple[tuple[float, float], ...]:
+    """A measured spread, checked: quantiles from 0 to 1 in order, ratios positive and not falling."""
+    try:
+        spread = tuple((float(q), float(r)) for q, r in points)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{source}: spread must be (quantile, ratio) pairs: {error}") from None
+    quantiles, ratios = [q for q, _ in spread], [r for _, r in spread]
+    if (len(spread) < 2 or quantiles[0] != 0.0 or quantiles[-1] != 1.0 or quantiles != sorted(quantiles)
+            or ratios != sorted(ratios) or ratios[0] <= 0):
+        raise ValueError(f"{source}: spread must run from quantile 0 to 1 in order, with positive ratios that do "
+                         f"not fall, got {points}")
+    return spread
 
 
 @dataclass(frozen=True)
@@ -220,7 +241,7 @@ class PassTimes:
     shape's spread. Threads: a profile per thread count; a count none was measured at is the
     nearest profile scaled as if threads divided the time (optimistic for that arm)."""
 
-    def __init__(self, profiles: dict[int, object], seed: int = 0):
+    def __init__(self, profiles: dict[int, object], seed: int = 0, spread: tuple[tuple[float, float], ...] = ()):
         if not profiles:
             raise ValueError("the simulator needs a latency profile")
         self.tables: dict[int, dict] = {}
@@ -232,6 +253,7 @@ class PassTimes:
         for t, model in self.cost.items():  # each arm's policy knows every thread count measured
             model.wider = {**{u: m for u, m in self.cost.items() if u != t}, **model.wider}
         self.rng = random.Random(seed)
+        self.spread = spread  # Overheads' spread: the host's, in place of the profile's p90
 
     def cost_for(self, threads: int) -> CostModel:
         """What the policy of an arm whose passes run on `threads` threads is told."""
@@ -245,8 +267,18 @@ class PassTimes:
 
     def draw(self, *, length: int, size: int, threads: int) -> float:
         median, p90 = self.median_p90(length=length, size=size, threads=threads)
+        if self.spread:  # the host's, measured over hundreds of passes
+            return median * spread_ratio(self.spread, self.rng.random())
         sigma = math.log(p90 / median) / Z90 if p90 > median > 0 else 0.0
         return median * math.exp(sigma * self.rng.gauss(0.0, 1.0)) if sigma else median
+
+
+def spread_ratio(spread: tuple[tuple[float, float], ...], u: float) -> float:
+    """The pass-over-median ratio at quantile `u` of a measured spread (linear between its points)."""
+    for (q0, r0), (q1, r1) in zip(spread, spread[1:]):
+        if u <= q1:
+            return r0 + (r1 - r0) * (u - q0) / (q1 - q0) if q1 > q0 else r1
+    return spread[-1][1]
 
 
 def _table(shapes) -> dict[int, dict[int, tuple[float, float]]]:
@@ -713,7 +745,7 @@ def simulate(arm: Arm, arrivals: Sequence[Arrival], profiles: dict[int, object],
     sim = Simulation(cores, overheads)
     if arm.kind == "first-come":
         sim.curve, sim.intake = overheads.outside_first_come, 0.0
-    fleet = Fleet(sim, arm, PassTimes(profiles, seed), max_length, arrivals)
+    fleet = Fleet(sim, arm, PassTimes(profiles, seed, overheads.spread), max_length, arrivals)
     end = (arrivals[-1].at if arrivals else 0.0) + 60.0  # a drain after the last arrival
     sim.run(end)
     outcomes = fleet.outcomes

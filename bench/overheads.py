@@ -36,6 +36,9 @@ from tsbatch.archiver.tune import continuous_batch_size  # noqa: E402
 from tsbatch.handlers.core.cost import profile_threads  # noqa: E402
 from tsbatch.handlers.edge.config import HandlerConfig  # noqa: E402
 
+MEASURED_ELSEWHERE = ("cold", "cold_tau", "beside_long", "intake", "spread")  # fit keys no serving here measures
+
+
 def cpu_now(frontend: int, workers: list[int]) -> dict[str, float]:
     """CPU seconds so far: the frontend, this process, the workers' main threads and the rest of
     the workers (their lane threads and intra-op teams)."""
@@ -134,6 +137,8 @@ def markdown(report: dict) -> str:
             "bench/idle_bench.py (make bench-idle).") if f.get("cold") else ""
     cold += (f" `beside_long` {f['beside_long']}: a long pass beside a long one, from bench/beside_bench.py "
              "(make bench-beside).") if f.get("beside_long") is not None else ""
+    cold += (f" `spread` {f['spread']} (quantile, a pass over its shape's median): how much a pass varies on the "
+             "host, from bench/spread_bench.py (make bench-spread).") if f.get("spread") else ""
     lines += ["", "The simulator's Overheads from these (`fit` in bench/overheads.py; (answered req/s, cores outside the "
               f"passes)): `outside` (continuous mode) {f['outside']}, `outside_first_come` {f['outside_first_come']}, "
               f"`latency` {f['latency']} s.{cold}", ""]
@@ -165,6 +170,8 @@ def main(argv=None) -> int:
                         "(before `beside` is fitted, so `beside` is not asked to stand for it)")
     parser.add_argument("--beside", metavar="JSON", help="a make bench-beside report: how much slower a long pass runs "
                         "beside a long one goes into the fit (before `beside` is fitted)")
+    parser.add_argument("--spread", metavar="JSON", help="a make bench-spread report: how much a pass varies on the "
+                        "host goes into the fit (before `beside` is fitted)")
     args = parser.parse_args(argv)
     if args.refit:
         report = None
@@ -179,9 +186,12 @@ def main(argv=None) -> int:
                 report["workload"] += f", {measured_['workload']}"
                 report["command"] += f"`, then `{measured_['command']}"
         profiles = profiles_of(args.profile, args.profile_2t)
-        report["fit"] = fit(report)
+        # what the first report took from other measurements stays, unless an option below replaces it
+        report["fit"] = {**{key: value for key, value in (report.get("fit") or {}).items() if key in MEASURED_ELSEWHERE},
+                         **fit(report)}
         report["refit"] = "python bench/overheads.py " + " ".join(sys.argv[1:] if argv is None else argv)
-        for option, path, keys in (("--idle", args.idle, ("cold", "cold_tau")), ("--beside", args.beside, ("beside_long",))):
+        for option, path, keys in (("--idle", args.idle, ("cold", "cold_tau")), ("--beside", args.beside, ("beside_long",)),
+                                   ("--spread", args.spread, ("spread",))):
             if path:
                 with open(path) as f:
                     measured_fit = json.load(f).get("fit") or {}

@@ -1,5 +1,7 @@
 """The benchmark's own rules (bench/loadtest/sweep.py): capacity, saturation, pooling and turn-taking."""
+import json
 import math
+import os
 
 import pytest
 
@@ -9,6 +11,8 @@ from bench.loadtest.load import Result, RunResult
 from bench.loadtest.stats import summarize
 from bench.loadtest import sweep as sweeps
 from bench.loadtest.sweep import capacity, confirm, knee, passes, pooled, refine, rotated, saturated
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def point(rate, p99, sent=100, ok=None, lost=0, throughput=None):
@@ -130,6 +134,44 @@ def test_the_cold_cost_is_what_long_pauses_add_and_its_time_constant_follows_the
     assert fit["cold_tau"] == pytest.approx(tau / 1000, rel=0.1)
     flat = [{**row, "p50_ms": 6.0} for row in rows]  # nothing goes cold: no cost, whatever tau
     assert all(s == 0.0 for _, _, s in fit_cold(flat)["cold"])
+
+
+def test_spread_pools_every_pass_over_its_own_shapes_median_and_needs_enough_passes_for_a_p99():
+    from bench.spread_bench import fit_spread, rows_and_ratios
+
+    fast = [10.0] * 170 + [12.0] * 26 + [30.0] * 4  # a 2% tail of 3x
+    slow = [40.0] * 170 + [48.0] * 26 + [120.0] * 4  # four times slower, the same shape of spread
+    rows, ratios = rows_and_ratios({"1x16": fast, "4x32": slow})
+    assert [(r["shape"], r["p50_ms"], r["p90_ms"], r["p99_ms"], r["max_ms"]) for r in rows] == [
+        ("1x16", 10.0, 12.0, 30.0, 30.0), ("4x32", 40.0, 48.0, 120.0, 120.0)]
+    spread = dict(fit_spread(ratios))
+    assert spread[0.0] == 1.0 and spread[0.5] == 1.0 and spread[0.9] == 1.2 and spread[0.99] == 3.0 and spread[1.0] == 3.0
+    assert list(spread) == [0.0, 0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0]
+    with pytest.raises(ValueError, match="p99"):
+        fit_spread(ratios[:99])
+
+
+def test_a_refit_keeps_what_was_measured_elsewhere_and_takes_the_hosts_spread(tmp_path, capsys):
+    from bench.overheads import main
+    from tsbatch.archiver.simulate import Overheads
+
+    source = os.path.join(REPO, "bench", "results", "fc-v1252", "overheads-intake.json")
+    with open(source) as f:
+        before = json.load(f)
+    spread = tmp_path / "spread.json"
+    spread.write_text(json.dumps({"fit": {"spread": [[0.0, 0.9], [0.5, 1.0], [1.0, 2.5]]}}))
+    out = str(tmp_path / "overheads")
+    assert main(["--refit", source, "--spread", str(spread), "--out", out]) == 0
+    with open(out + ".json") as f:
+        after = json.load(f)
+    for key in ("outside", "outside_first_come", "latency", "cold", "cold_tau", "beside_long", "intake"):
+        assert after["fit"][key] == before["fit"][key], key
+    assert after["passes"] == before["passes"]
+    assert Overheads.from_report(out + ".json").spread == ((0.0, 0.9), (0.5, 1.0), (1.0, 2.5))
+    assert "`spread` [[0.0, 0.9], [0.5, 1.0], [1.0, 2.5]]" in capsys.readouterr().out
+    spread.write_text(json.dumps({"fit": {}}))
+    with pytest.raises(SystemExit):
+        main(["--refit", source, "--spread", str(spread), "--out", out])
 
 
 def test_beside_ratios_are_each_subjects_median_against_its_own_alone_and_feed_the_simulator():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from dataclasses import replace
 
 import pytest
 
@@ -165,8 +166,6 @@ def test_a_pass_runs_slower_by_intake_per_request_per_second_taken_in():
 
 
 def test_intake_slows_tsbatch_passes_and_not_first_comes_which_take_requests_in_on_their_own_thread():
-    from dataclasses import replace
-
     tokens = workload_tokens("short")
     slowed = replace(NO_OUTSIDE, intake=0.005)
     plain = at_rate(TEMPLATE, 60, tokens, PROFILES, MAX_LENGTH, duration=10, overheads=NO_OUTSIDE)
@@ -237,6 +236,29 @@ def test_pass_times_interpolate_unmeasured_shapes_and_keep_measured_ones():
     assert times.median_p90(length=32, size=2, threads=1)[0] < three < low
     only_one = PassTimes({1: PROFILES[1]})
     assert only_one.median_p90(length=32, size=4, threads=2)[0] == pytest.approx(low / 2)  # optimistic for that arm
+
+
+def test_a_measured_spread_replaces_the_profiles_and_its_quantiles_come_back_in_the_draws():
+    from tsbatch.archiver.simulate import spread_ratio
+
+    spread = ((0.0, 0.9), (0.5, 1.0), (0.9, 1.2), (0.99, 2.0), (1.0, 3.0))
+    assert spread_ratio(spread, 0.0) == 0.9 and spread_ratio(spread, 0.5) == 1.0 and spread_ratio(spread, 1.0) == 3.0
+    assert spread_ratio(spread, 0.7) == pytest.approx(1.1) and spread_ratio(spread, 0.995) == pytest.approx(2.5)
+    median = PROFILES[1].lookup(batch=2, bucket=32).median_ms / 1000
+    times = PassTimes(PROFILES, seed=5, spread=spread)
+    draws = sorted(times.draw(length=32, size=2, threads=1) for _ in range(20000))
+    quantile = lambda q: draws[int(q * (len(draws) - 1))] / median  # noqa: E731
+    assert quantile(0.5) == pytest.approx(1.0, abs=0.01) and quantile(0.8) == pytest.approx(1.15, abs=0.01)
+    assert quantile(0.95) == pytest.approx(1.56, abs=0.1) and max(draws) / median <= 3.0
+    profiles_own = PassTimes(PROFILES, seed=5)
+    plain = sorted(profiles_own.draw(length=32, size=2, threads=1) for _ in range(20000))
+    assert plain[int(0.99 * (len(plain) - 1))] / median < 1.5  # the profile's own spread: p90 1.3x, no 2x tail
+    tokens = workload_tokens("short")  # a tail that only the slowest passes have still moves p99 more than p50
+    wide = at_rate(TEMPLATE, 60, tokens, PROFILES, MAX_LENGTH, duration=20, overheads=replace(NO_OUTSIDE, spread=spread))
+    narrow = at_rate(TEMPLATE, 60, tokens, PROFILES, MAX_LENGTH, duration=20, overheads=NO_OUTSIDE)
+    assert wide.latency["short"]["pass_p99"] > narrow.latency["short"]["pass_p99"] * 1.2
+    assert wide == at_rate(TEMPLATE, 60, tokens, PROFILES, MAX_LENGTH, duration=20,
+                           overheads=replace(NO_OUTSIDE, spread=spread))  # still deterministic
 
 
 def test_a_workload_file_of_lengths_is_read_and_a_bad_one_refused(tmp_path):
@@ -329,9 +351,15 @@ def test_overheads_measured_on_another_machine_come_from_its_report_and_change_t
     assert loaded.intake == 0.001
     assert shipped.beside_long is None  # not measured where the defaults come from: `beside` stands
     assert shipped.intake == Overheads().intake == 0.0  # ... nor intake
+    assert shipped.spread == Overheads().spread == ()  # ... nor the host's spread: the profile's stands
     (tmp_path / "bad.json").write_text(json.dumps({"fit": {"outside": []}}))
     with pytest.raises(ValueError, match="bad.json"):
         Overheads.from_report(str(tmp_path / "bad.json"))
+    spread = [[0.0, 0.9], [0.5, 1.0], [1.0, 2.5]]
+    assert Overheads.of({"fit": {**busy["fit"], "spread": spread}}).spread == ((0.0, 0.9), (0.5, 1.0), (1.0, 2.5))
+    for bad in ([[0.0, 1.0]], [[0.1, 1.0], [1.0, 2.0]], [[0.0, 1.2], [1.0, 1.0]], [[0.0, 1.0], [0.5, "x"], [1.0, 2]]):
+        with pytest.raises(ValueError, match="spread"):
+            Overheads.of({"fit": {**busy["fit"], "spread": bad}})
 
     profile = cpu_like(1)
     profile.environment.update({"task": "embedding", "cpu_count": 2, "threads_per_bucket": {"8": 1}})
