@@ -4,10 +4,11 @@
 archive do under that traffic" in seconds. A tsbatch arm runs the very Policy the lane threads run
 (handlers/core/policy.py), with pass times drawn from the latency profile with its spread (lognormal
 through the shape's median and p90, or the profile's median times a ratio drawn from the host's
-spread measured over hundreds of passes, Overheads' spread), on cores shared as Linux's fair scheduler shares them: every
-running pass's threads and the work outside passes (TorchServe's frontend, its protocol, parsing
-and JSON: per request, and per continuous-mode call) claim cores, the long lane's nice-10 threads
-yield to the rest, and a team of intra-op threads waits for its slowest thread. The continuous
+spread measured over hundreds of passes, Overheads' spread), on cores shared as Linux's fair
+scheduler shares them: every running pass's threads and the work outside passes (TorchServe's
+frontend, its protocol, parsing and JSON: per request, and per continuous-mode call) claim cores,
+the long lane's nice-10 threads yield to the rest, and a team of intra-op threads waits for its
+slowest thread. The continuous
 mode's call cycle is modelled as TorchServe drives it: a worker holding requests takes new ones in
 only when its call returns (a request done, or its `poll_ms` hold, replies paced as
 handlers/edge/modes/continuous_mode.reply_pace says); a worker with siblings answers each call whole and
