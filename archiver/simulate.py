@@ -275,11 +275,9 @@ class PassTimes:
 
 
 def spread_ratio(spread: tuple[tuple[float, float], ...], u: float) -> float:
-    """The pass-over-median ratio at quantile `u` of a measured spread (linear between its points)."""
-    for (q0, r0), (q1, r1) in zip(spread, spread[1:]):
-        if u <= q1:
-            return r0 + (r1 - r0) * (u - q0) / (q1 - q0) if q1 > q0 else r1
-    return spread[-1][1]
+    """The pass-over-median ratio at quantile `u` of a measured spread (linear between its points,
+    which run from quantile 0 to 1)."""
+    return _along({q: (r,) for q, r in spread}, u)[0]
 
 
 def _table(shapes) -> dict[int, dict[int, tuple[float, float]]]:

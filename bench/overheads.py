@@ -133,15 +133,15 @@ def markdown(report: dict) -> str:
     f = report["fit"]
     if report.get("refit"):
         lines += ["", f"Put together from these measurements by `{report['refit']}`."]
-    cold = (f" `cold` {f['cold']} (threads, padded tokens, seconds), `cold_tau` {f['cold_tau']} s, from "
+    elsewhere = (f" `cold` {f['cold']} (threads, padded tokens, seconds), `cold_tau` {f['cold_tau']} s, from "
             "bench/idle_bench.py (make bench-idle).") if f.get("cold") else ""
-    cold += (f" `beside_long` {f['beside_long']}: a long pass beside a long one, from bench/beside_bench.py "
+    elsewhere += (f" `beside_long` {f['beside_long']}: a long pass beside a long one, from bench/beside_bench.py "
              "(make bench-beside).") if f.get("beside_long") is not None else ""
-    cold += (f" `spread` {f['spread']} (quantile, a pass over its shape's median): how much a pass varies on the "
+    elsewhere += (f" `spread` {f['spread']} (quantile, a pass over its shape's median): how much a pass varies on the "
              "host, from bench/spread_bench.py (make bench-spread).") if f.get("spread") else ""
     lines += ["", "The simulator's Overheads from these (`fit` in bench/overheads.py; (answered req/s, cores outside the "
               f"passes)): `outside` (continuous mode) {f['outside']}, `outside_first_come` {f['outside_first_come']}, "
-              f"`latency` {f['latency']} s.{cold}", ""]
+              f"`latency` {f['latency']} s.{elsewhere}", ""]
     if report.get("intake"):
         i = report["intake"]
         lines += [f"`intake` {i['intake']}: a tsbatch pass runs 1 + intake x requests/s slower, fitted by `{i['command']}` "

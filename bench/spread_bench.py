@@ -4,11 +4,11 @@ The simulator draws each pass from the latency profile's median and p90. A profi
 show a host's spread: warmup times a shape until two timings agree within 10% (3 runs, mostly), so
 its p90 sits within a few percent of its median by construction. On a quiet host that is about
 right (fc-v1252's idle report: p90 within 1.03-1.06x of the median over 25 passes); on a noisy one
-it is not (fc-v1272: p90 1.2-1.3x, p99 1.6-2x the median), and a short request's p99 is set by
-those slow passes. This times a few short shapes many times each, in process, no HTTP, no
-TorchServe, one lane's thread count, a short fixed pause between passes (a lane's between passes at
-moderate load, and the same for every pass so the cold cost of a pause, make bench-idle's, does not
-spread them), and pools every pass over its own shape's median. The pooled quantiles are the
+it is not (fc-v1272: p90 1.18-1.21x, p99 1.30-1.33x the median, bench/results/fc-v1272/spread.md),
+and a short request's p99 is set by those slow passes. This times a few short shapes many times
+each, in process, no HTTP, no TorchServe, one lane's thread count, a short fixed pause between
+passes (a lane's between passes at moderate load, and the same for every pass so the cold cost of
+a pause, make bench-idle's, does not spread them), and pools every pass over its own shape's median. The pooled quantiles are the
 simulator's Overheads `spread`: each pass drawn there is the profile's median times a ratio drawn
 from them. Writes bench/results/spread.json and spread.md; `bench/overheads.py --refit ... --spread`
 takes its `fit` into an overheads report.
