@@ -30,7 +30,7 @@ from http import HTTPStatus
 
 from tsbatch.handlers.core.errors import BadInput, InputTooLong, ModelFailed, Overloaded, ServingError
 from tsbatch.handlers.core.generation_policy import GenerationRequest, GenerationPolicy, Status
-from tsbatch.handlers.edge import socket_guard
+from tsbatch.handlers.edge import backend_socket
 from tsbatch.handlers.edge.client_watch import ClientWatch
 from tsbatch.handlers.edge.generation_api import (GenerationConfig, TextStream, answer_body, deadline_of, kv_bound_for,
                                                   line, parse_ask, priority_of)
@@ -72,7 +72,8 @@ class GenerationHandler:
         from tsbatch.handlers.runtime.generation_engine import GenerationEngine
 
         started = time.monotonic()
-        socket_guard.install()  # intermediate and final replies are written from two threads
+        backend_socket.lock_writes()  # intermediate and final replies are written from two threads
+        backend_socket.buffer_reads()  # TorchServe reads each field of a call with its own recv
         yaml_config = context.model_yaml_config or {}
         self.config = config = GenerationConfig.from_section(yaml_config.get("handler"))
         if config.torch_threads:

@@ -36,7 +36,7 @@ PURE = [
     "tsbatch.handlers.edge.metrics",
     "tsbatch.handlers.edge.parse",
     "tsbatch.handlers.edge.siblings",
-    "tsbatch.handlers.edge.socket_guard",
+    "tsbatch.handlers.edge.backend_socket",
     "tsbatch.handlers.edge.stages",
     "tsbatch.handlers.edge.tsbatch_handler",
     "tsbatch.handlers.edge.modes",

@@ -11,7 +11,7 @@ from tsbatch.handlers.core.buckets import Item
 from tsbatch.handlers.core.errors import DeadlineExceeded, Overloaded, ServingError
 from tsbatch.handlers.core.policy import Policy, PolicySettings, Priority, Ticket, borrowing_lane, deadline_at
 from tsbatch.handlers.core.reply import Answer, Reply
-from tsbatch.handlers.edge import socket_guard
+from tsbatch.handlers.edge import backend_socket
 from tsbatch.handlers.edge.stages import PRIORITY_HEADER, Call, client_deadline, request_headers
 from tsbatch.handlers.runtime.lanes import Lanes
 from tsbatch.handlers.runtime.warming import borrowed_threads, example_batch, warm_lane
@@ -35,7 +35,7 @@ class ScheduledMode:
         self.warm_batches = [self._warm_batches(buckets) for buckets, _ in lanes]  # here, before the lanes start
         policy = policy_for(worker, lanes)
         logger.info("tsbatch scheduler (%s mode): lanes (buckets, threads) %s, %s", self.name, lanes, policy.settings)
-        socket_guard.install()
+        backend_socket.lock_writes()
         self.engine = Lanes(policy, worker.isolator, on_answer=self._on_answer, on_batch=self._on_batch,
                             on_lane_start=self._on_lane_start, use_threads=self._use_threads).start()
 
