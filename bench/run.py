@@ -183,13 +183,13 @@ def main(argv=None) -> int:
               "histogram": histogram([r.text for r in requests(2000, 1)], tokens),
               "duration": args.duration, "rounds": args.rounds, "frontend": FRONTEND, "arms": {}}
     server.stop_on_sigterm()
+    arms = arms + ([BEFORE] if args.before else [])
     if args.light_only:
-        arms = arms + ([BEFORE] if args.before else [])
         return light.light_only(args, arms, lambda root: build_arms(root, args.model_dir, arms, args.before), labels())
     split = report["cores"] = split_cores()
     with tempfile.TemporaryDirectory(prefix="tsbatch-bench-") as root:
         use_cores(split, "server")  # the profile and the torchserve started next run on these
-        store = build_arms(root, args.model_dir, arms, profile=args.profile)
+        store = build_arms(root, args.model_dir, arms, args.before, profile=args.profile)
         section = served_section(store, arms)
         if "t" in arms:  # what the tuner shipped, so the simulator can serve this very configuration later
             report["tuned_model_config"] = tuned_model_config(store)
