@@ -6,15 +6,17 @@
   writers can interleave bytes and corrupt the stream. tsbatch answers through intermediate
   replies, so `lock_writes` puts one process-wide lock around `socket.socket.sendall`.
 - Reads, buffered (every mode): TorchServe's worker decodes each call field by field with one
-  `recv` per field (ts/protocol/otf_message_handler.py, `_retrieve_buffer`): about 25 system calls
-  per request, and in continuous mode every call re-sends each request the worker holds, so on a
-  saturated worker those reads took most of the thread that takes requests in, cores the passes
-  lack (bench/results/saturation.md). `buffer_reads` makes `_retrieve_buffer` serve fields from a
-  buffer filled by large reads. Only `retrieve_msg` reads that socket, so bytes read ahead wait in
-  the buffer for the next message; an empty read (the frontend gone) still ends the worker.
+  `recv` per field (ts/protocol/otf_message_handler.py, `_retrieve_buffer`): 27 system calls for
+  a request with a few headers, and in continuous mode every call re-sends each request the
+  worker holds, so on a saturated worker those reads took most of the thread that takes requests
+  in, cores the passes lack (bench/results/fc-v1272/buffered-reads/saturation-before.md).
+  `buffer_reads` makes `_retrieve_buffer` serve fields from a buffer filled by large reads. Only
+  `retrieve_msg` reads that socket, so bytes read ahead wait in the buffer for the next message;
+  an empty read (the frontend gone) still ends the worker.
 """
 from __future__ import annotations
 
+import logging
 import socket
 import sys
 import threading
@@ -50,8 +52,6 @@ class _Buffered:
         while len(self.data) - self.start < length:
             chunk = conn.recv(max(READ_AHEAD, length - (len(self.data) - self.start)))
             if not chunk:
-                import logging
-
                 logging.info("Frontend disconnected.")
                 sys.exit(0)  # as TorchServe's own reader does
             if self.start:
@@ -74,6 +74,7 @@ def buffer_reads() -> bool:
         return False
     if not callable(getattr(otf, "_retrieve_buffer", None)):
         return False
+
     def _retrieve_buffer(conn, length):
         buffered = _BUFFERS.get(id(conn))
         if buffered is None:
