@@ -20,6 +20,13 @@ def field(value: bytes) -> bytes:
 
 
 END = struct.pack("!i", -1)
+TIMEOUT_S = 10.0  # a reader that lost its place waits for bytes that never come: fail, do not hang
+
+
+def pair() -> tuple[socket.socket, socket.socket]:
+    reader, writer = socket.socketpair()
+    reader.settimeout(TIMEOUT_S)
+    return reader, writer
 
 
 def call(requests: list[tuple[bytes, list[tuple[bytes, bytes]], bytes | None]]) -> bytes:
@@ -44,19 +51,22 @@ CALLS = [
 
 def decoded(messages: bytes, chunk: int) -> list:
     """retrieve_msg over a socket pair while another thread sends `messages` `chunk` bytes at a time."""
-    reader, writer = socket.socketpair()
+    reader, writer = pair()
 
     def send() -> None:
-        for start in range(0, len(messages), chunk):
-            writer.sendall(messages[start:start + chunk])
+        try:
+            for start in range(0, len(messages), chunk):
+                writer.sendall(messages[start:start + chunk])
+        except OSError:
+            pass  # the reader gave up (its test fails there)
 
     sender = threading.Thread(target=send)
     sender.start()
     try:
         return [otf.retrieve_msg(reader) for _ in CALLS]
     finally:
-        sender.join()
-        reader.close()
+        reader.close()  # a reader that failed early: the sender's next write fails, it ends
+        sender.join(TIMEOUT_S)
         writer.close()
 
 
@@ -81,7 +91,7 @@ def test_buffered_reads_decode_every_call_as_torchserves_own_reader_does(chunk, 
 
 
 def test_an_empty_read_ends_the_worker_as_torchserve_does(buffered):
-    reader, writer = socket.socketpair()
+    reader, writer = pair()
     writer.sendall(CALLS[0][:10])  # a call cut short, then the frontend gone
     writer.close()
     with pytest.raises(SystemExit):
@@ -90,7 +100,7 @@ def test_an_empty_read_ends_the_worker_as_torchserve_does(buffered):
 
 
 def test_reads_ahead_wait_for_the_next_message(buffered):
-    reader, writer = socket.socketpair()
+    reader, writer = pair()
     writer.sendall(CALLS[0] + CALLS[1])  # one read takes both
     first = otf.retrieve_msg(reader)
     second = otf.retrieve_msg(reader)
@@ -113,7 +123,7 @@ class Counted:
 
 
 def test_a_call_already_there_takes_one_read_and_nothing_read_stays_behind(buffered):
-    reader, writer = socket.socketpair()
+    reader, writer = pair()
     counted = Counted(reader)
     for _ in range(50):
         writer.sendall(CALLS[1])
