@@ -8,10 +8,10 @@ it is not (fc-v1272: p90 1.18-1.21x, p99 1.30-1.33x the median, bench/results/fc
 and a short request's p99 is set by those slow passes. This times a few short shapes many times
 each, in process, no HTTP, no TorchServe, one lane's thread count, a short fixed pause between
 passes (a lane's between passes at moderate load, and the same for every pass so the cold cost of
-a pause, make bench-idle's, does not spread them), and pools every pass over its own shape's median. The pooled quantiles are the
-simulator's Overheads `spread`: each pass drawn there is the profile's median times a ratio drawn
-from them. Writes bench/results/spread.json and spread.md; `bench/overheads.py --refit ... --spread`
-takes its `fit` into an overheads report.
+a pause, make bench-idle's, does not spread them), and pools every pass over its own shape's
+median. The pooled quantiles are the simulator's Overheads `spread`: each pass drawn there is
+the profile's median times a ratio drawn from them. Writes bench/results/spread.json and
+spread.md; `bench/overheads.py --refit ... --spread` takes its `fit` into an overheads report.
 """
 from __future__ import annotations
 

@@ -70,13 +70,19 @@ def decoded(messages: bytes, chunk: int) -> list:
         writer.close()
 
 
-@pytest.fixture
-def buffered(monkeypatch):
-    monkeypatch.setattr(otf, "_retrieve_buffer", otf._retrieve_buffer)  # restored after the test
+def install_buffered_reads(monkeypatch) -> None:
+    """`buffer_reads` as a worker installs it, on fresh state; TorchServe's reader is put back
+    after the test."""
+    monkeypatch.setattr(otf, "_retrieve_buffer", otf._retrieve_buffer)
     monkeypatch.setattr(backend_socket, "_INSTALLED", set())
     monkeypatch.setattr(backend_socket, "_BUFFERS", {})
     assert backend_socket.buffer_reads()
     assert otf._retrieve_buffer.__module__ == backend_socket.__name__
+
+
+@pytest.fixture
+def buffered(monkeypatch):
+    install_buffered_reads(monkeypatch)
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 1 << 20])  # a byte at a time, fields split anywhere, every call at once
@@ -84,9 +90,7 @@ def test_buffered_reads_decode_every_call_as_torchserves_own_reader_does(chunk, 
     messages = b"".join(CALLS)
     expected = decoded(messages, chunk)
     assert [cmd for cmd, _ in expected] == [b"I"] * 3 and len(expected[1][1]) == 2
-    monkeypatch.setattr(otf, "_retrieve_buffer", otf._retrieve_buffer)
-    monkeypatch.setattr(backend_socket, "_INSTALLED", set())
-    backend_socket.buffer_reads()
+    install_buffered_reads(monkeypatch)  # after TorchServe's own reader has decoded them
     assert decoded(messages, chunk) == expected
 
 
