@@ -282,7 +282,8 @@ class Policy:
         if picked is None:
             behind = self._behind(lane)
             picked = self.pick(now, behind, merge=merge, helping=False) if behind else None
-        if picked is None:
+        if picked is None:  # a behind lane's batch still holding is not waited on: the next arrival
+            # or pass end brings it (waking for it cost short p99 live, docs/experiments.md 12-06 09:17)
             wait = None if expired else self.time_until_ready(now, state.buckets + helped)
             return Plan(lane, expired, threads=state.threads, wait=wait)
         batch, tickets = picked
