@@ -1,6 +1,7 @@
 """Test support: TorchServe-shaped contexts and tiny random models built from a config."""
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import queue
@@ -42,6 +43,14 @@ class FakeClock:
         return self.now
 
 
+def scratch_dir(prefix: str) -> str:
+    """A temporary directory that outlives the test (a handler keeps using its archive directory)
+    and is removed when the test process exits, so test runs leave nothing in TMPDIR."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
 def make_context(model_dir: str, handler: dict, batch_size: int = 8, name: str = "m",
                  frontend: dict | None = None):
     """A real ts.context.Context, as TorchServe's worker builds it, with our handler: section
@@ -61,7 +70,7 @@ def load_handler(model_dir: str, frontend: dict | None = None, archive_dir: str 
     from tsbatch.handlers.models.encoder_handler import EncoderHandler
 
     handler = {"task": "embedding", "model_dir": model_dir, "warmup": False, **handler}
-    context = make_context(archive_dir or tempfile.mkdtemp(prefix="tsbatch-archive-"), handler, frontend=frontend)
+    context = make_context(archive_dir or scratch_dir("tsbatch-archive-"), handler, frontend=frontend)
     loaded = EncoderHandler()
     loaded.initialize(context)
     return loaded, context

@@ -5,14 +5,13 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 
 import pytest
 
 from tsbatch.archiver.measure import handler_class
 from tsbatch.archiver.pipeline import profile_here
 from tsbatch.handlers.edge.stages import PADDED_HEADER
-from tests.support import ContinuousFrontend, call, example_maker, make_context
+from tests.support import ContinuousFrontend, call, example_maker, make_context, scratch_dir
 
 pytestmark = pytest.mark.integration
 
@@ -33,7 +32,7 @@ def handler(gen_dir):
     sys.path.insert(0, EXAMPLE)  # the archive's root, where gen_model.py ships
     try:
         loaded = handler_class(HANDLER)()
-        archive = tempfile.mkdtemp(prefix="tsbatch-gen-")  # this worker's own archive: no siblings
+        archive = scratch_dir("tsbatch-gen-")  # this worker's own archive: no siblings
         loaded.initialize(make_context(archive, {"model_dir": gen_dir, **SECTION, "warmup": False},
                                        frontend={"model": MODEL}))
         yield loaded
@@ -85,7 +84,7 @@ def test_an_ask_for_few_tokens_is_answered_while_long_generations_run(gen_dir):
     sys.path.insert(0, EXAMPLE)
     try:
         loaded = handler_class(HANDLER)()
-        archive = tempfile.mkdtemp(prefix="tsbatch-gen-")  # the model's only worker
+        archive = scratch_dir("tsbatch-gen-")  # the model's only worker
         loaded.initialize(make_context(archive, {"model_dir": gen_dir, **SECTION, "warmup": False, "poll_ms": 1},
                                        frontend={"continuousBatching": True, "model": MODEL}))
     finally:
@@ -109,7 +108,7 @@ def load(gen_dir, model: dict | None, handler: dict | None = None):
     try:
         loaded = handler_class(HANDLER)()
         frontend = {"model": model} if model is not None else {}
-        loaded.initialize(make_context(tempfile.mkdtemp(prefix="tsbatch-gen-"),
+        loaded.initialize(make_context(scratch_dir("tsbatch-gen-"),
                                        {"model_dir": gen_dir, "warmup": False, **(handler or {})}, frontend=frontend))
         return loaded
     finally:

@@ -9,13 +9,12 @@ a real torchserve.
 """
 from __future__ import annotations
 
-import tempfile
 import time
 
 import pytest
 
 from tsbatch.handlers.core.cost import CostModel
-from tests.support import ContinuousFrontend, SharedQueueFrontend, cosine, load_handler
+from tests.support import ContinuousFrontend, SharedQueueFrontend, cosine, load_handler, scratch_dir
 
 pytestmark = pytest.mark.integration
 
@@ -24,7 +23,7 @@ LONG = " ".join(["a rather long sentence about nothing in particular"] * 60)
 
 
 def workers(minilm_dir: str, count: int, **handler):
-    archive = tempfile.mkdtemp(prefix="tsbatch-shared-archive-")
+    archive = scratch_dir("tsbatch-shared-archive-")
     return [load_handler(minilm_dir, frontend=CONTINUOUS, archive_dir=archive, **handler) for _ in range(count)]
 
 

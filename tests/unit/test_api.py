@@ -7,13 +7,13 @@ sum of its input, and fails on the word "poison".
 from __future__ import annotations
 
 import json
-import tempfile
 
 import pytest
 
 from tsbatch.handlers.api import BadInput, Batch, Model, Request
 from tsbatch.handlers.edge.stages import BATCH_SIZE_HEADER, PADDED_HEADER
 from tsbatch.handlers.edge.tsbatch_handler import TsbatchHandler
+from tests.support import scratch_dir
 
 pytestmark = pytest.mark.unit
 
@@ -53,7 +53,7 @@ class FakeContext:
 
     def __init__(self, handler_section: dict, frontend: dict | None = None):
         self.model_name = "words"
-        self.system_properties = {"model_dir": tempfile.mkdtemp(prefix="tsbatch-api-"), "batch_size": 8}
+        self.system_properties = {"model_dir": scratch_dir("tsbatch-api-"), "batch_size": 8}
         self.model_yaml_config = {**(frontend or {}), "handler": handler_section}
         self.metrics = None
         self.request_processor: list = []
