@@ -8,7 +8,7 @@ gets its own minutes: `tsbatch profile` (tsbatch's passes; arm t is tuned from i
 control's passes (bench/control_profile.py), then `make bench` with arms b, t, d, then both
 profiles again (its 70% point is measured last, minutes later, and is simulated with these), all
 into OUT/WORKLOAD/. Then bench/validate_sim.py --own-profiles over the lot, into
-OUT/simulator-vs-live. About 16 minutes a workload on a 2-core machine.
+OUT/simulator-vs-live. About 17 minutes a workload on a 2-core machine.
 """
 from __future__ import annotations
 
@@ -48,6 +48,8 @@ def main() -> int:
     parser.add_argument("--workloads", default="search,long,short,two-cluster")
     parser.add_argument("--overheads", metavar="JSON", help="bench/overheads.py's report for this machine")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--rounds", type=int, default=4,
+                        help="windows of 15 s per arm at the 70%% point: its p99 pools them (2 rounds: 43%% apart)")
     args = parser.parse_args()
     python = sys.executable
     for workload in args.workloads.split(","):
@@ -56,7 +58,7 @@ def main() -> int:
         profiles(workload, out)
         step(f"{workload}: make bench", [python, "bench/run.py", "--workload", workload, "--rates", RATES[workload],
                                          "--arms", "b,t,d", "--profile", os.path.join(out, "profile.json"),
-                                         "--duration", "15", "--rounds", "2", "--no-limit", "--no-light", "--out", out],
+                                         "--duration", "15", "--rounds", str(args.rounds), "--no-limit", "--no-light", "--out", out],
              os.path.join(out, "bench.log"))
         # the 70% point is measured last, and the host's speed can move within a run: profile it again
         profiles(workload, out, "-after")
