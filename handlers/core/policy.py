@@ -29,9 +29,11 @@ from tsbatch.handlers.core.buckets import Batch, Bucket, Item, batch_sizes, buck
 from tsbatch.handlers.core.cost import CostModel, LaneLoad, finish_in
 from tsbatch.handlers.core.errors import BadInput, Overloaded
 
-# a later lane is behind when more than this many of its passes are queued behind the one it runs:
-# at light load a long request waits for at most one long pass and short requests keep their lane
-# to themselves; under sustained load the short lane's idle core takes long passes too
+# a later lane is behind when its queue holds more than this many of its running pass's time
+# (`_backlog` charges each queued bucket a slow pass at its cap): under sustained load the short
+# lane's idle core takes long passes too. A queue charged at cap outweighs a running pass of one,
+# so with caps above 2 a single queued long request already counts (BEHIND 0, 1 and 2 simulate
+# alike on the mix); the live runs measured this value
 BEHIND = 2
 RECENT = 8  # arrivals whose gaps tell the worker's traffic
 BUSY = 0.5  # single-request passes per median arrival gap from which holding for company may pay
