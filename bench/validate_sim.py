@@ -38,7 +38,7 @@ from bench.loadtest import report as reports  # noqa: E402
 
 CAPACITY_WITHIN = 0.15
 P99_WITHIN = 0.25
-SIMULATED_AT_70 = 300.0  # seconds simulated at the 70% rate: its p99 the model's, not one draw's (live pools 2 windows)
+SIMULATED_AT_70 = 300.0  # seconds simulated at the 70% rate: its p99 the model's, not one draw's (live pools 2-4 windows)
 
 
 def tuned_arm(profile_path: str, target_ms: float) -> Arm:
@@ -182,7 +182,7 @@ def markdown(report: dict) -> str:
         lines += ["", "Where a run has profiles taken right after it, its 70% point (measured last) is simulated "
                   "with them, the host's speed of that point's minutes; capacity with the ones taken before."]
     lines += ["", "What one live run cannot tell apart: its capacity lies between the rate it reports and the "
-              "next rate it tried (which missed); its p99 pools two rounds of 15 s, each a p99 of its own. "
+              "next rate it tried (which missed); its p99 pools its rounds (windows of 15 s), each a p99 of its own. "
               "The same agreement asked of the simulator against any value in those spans (a second reading; "
               "the table above is the verdict):", ""]
     spread = sorted(row["short_p99_at_70pct_b"]["live_spread"] for _, _, row in rows
