@@ -20,7 +20,7 @@ ARCHIVE_ARGS ?=
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 SERVE_ENV = TMPDIR=$(RUN_DIR)/tmp TEMP=$(RUN_DIR)/tmp LOG_LOCATION=$(RUN_DIR)/logs METRICS_LOCATION=$(RUN_DIR)/logs PATH=$(CURDIR)/$(VENV)/bin:$$PATH
 
-.PHONY: setup java archive serve stop test test-unit test-transformers4 test-wheel bench-all bench-generate bench-many bench-saturation bench-frontend bench-overload bench bench-warmup bench-warmup-served bench-first-request bench-idle bench-beside bench-spread bench-window bench-omp-pools bench-borrow bench-workers gpu-check soak chaos bench-recovery clean help
+.PHONY: setup java archive serve stop test test-unit test-transformers4 test-wheel bench-all bench-generate bench-many bench-saturation bench-frontend bench-overload bench bench-warmup bench-warmup-served bench-first-request bench-idle bench-beside bench-spread bench-window bench-omp-pools bench-borrow bench-poll bench-workers gpu-check soak chaos bench-recovery clean help
 
 help:
 	@echo "make serve    set up, archive all-MiniLM-L6-v2 as '$(NAME)' and serve it on 127.0.0.1:8080-8082"
@@ -39,6 +39,7 @@ help:
 	@echo "make bench-window  per workload: profiles, make bench (b, t, d), profiles again, in the same minutes, then the simulator against it (BENCH_ARGS='--out DIR')"
 	@echo "make bench-omp-pools  a lane's two-thread pass with one OpenMP team in the process, and with two"
 	@echo "make bench-borrow  borrow_cores off and on, live: lone long requests and the mix at light load (--before PY: a third arm from another checkout)"
+	@echo "make bench-poll    poll_ms live: lone long requests (what one return to the frontend costs a pass) and the mix at light load"
 	@echo "make bench-workers the built archive with 1, 2 and 3 workers: lone requests, mixed load, logs, idle CPU"
 	@echo "make bench-generate the generation engine (--task generation) vs TorchServe batching, the bucketed example and TorchServe continuous batching: TTFT, tokens/s, lost, equal to alone (#37)"
 	@echo "make bench-many     32 texts as one request against 32 requests: time, padding, equal vectors"
@@ -155,6 +156,9 @@ bench-omp-pools: setup
 
 bench-borrow: setup java
 	$(PYTHON) bench/borrow_live.py $(BENCH_ARGS)
+
+bench-poll: setup java
+	$(PYTHON) bench/poll_live.py $(BENCH_ARGS)
 
 bench-workers: setup
 	$(PYTHON) bench/workers.py $(BENCH_ARGS)
