@@ -23,7 +23,8 @@ bench-beside, so it most likely stands for the worker's and the frontend's other
 more for its next pass the longer it waited (Overheads' cold: caches and sleeping threads, from
 make bench-idle), and a tsbatch pass runs slower the more requests per second the worker takes in
 (Overheads' intake: its intake thread holds the interpreter between the lane's operators; fitted
-to live runs, bench/intake_fit.py). Not at all: a machine whose speed drifts.
+to live runs, bench/intake_fit.py), and each return of a continuous-mode call holds the worker's
+passes up for a moment (Overheads' call, make bench-poll). Not at all: a machine whose speed drifts.
 """
 from __future__ import annotations
 
@@ -90,6 +91,10 @@ class Overheads:
     # hundreds of passes (bench/spread_bench.py); each pass is drawn as the profile's median times a
     # ratio from it. None measured (()): the profile's own spread, lognormal through median and p90
     spread: tuple[tuple[float, float], ...] = ()
+    # seconds each continuous-mode return to the frontend holds up the worker's running passes (its
+    # interpreter answers, then reads the next call, between the lanes' operators), so a pass during
+    # which the call returns every poll_ms runs longer (make bench-poll; 0: not measured)
+    call: float = 0.0
 
     @classmethod
     def from_report(cls, path: str) -> "Overheads":
@@ -130,6 +135,8 @@ class Overheads:
         if fit.get("cold"):
             extra["cold"] = tuple((int(t), int(n), float(s)) for t, n, s in fit["cold"])
             extra["cold_tau"] = float(fit["cold_tau"])
+        if fit.get("call") is not None:
+            extra["call"] = float(fit["call"])
         return cls(**curves, **extra)
 
     def beside_factor(self, *, long: bool) -> float:
@@ -382,7 +389,7 @@ class Simulation:
         self.at(self.now + self.overheads.window * (1 + 1e-9), self._reflow)  # when it leaves the window
 
     def start(self, alone: float, threads: int, done: Callable[[], None], background: bool = False,
-              length: int = 0, team: object = None) -> None:
+              length: int = 0, team: object = None) -> int:
         """Run a pass of `alone` seconds on `threads` threads over inputs of `length` tokens;
         `done()` when it ends. A background pass (a long lane's: its threads run at nice 10)
         yields the cores to everything else; a long one slows the passes beside it. `team`: whose
@@ -397,6 +404,17 @@ class Simulation:
 
         pid = next(self.seq)
         self.running[pid] = [alone, threads, 0, ended, NICE_WEIGHT if background else 1.0, 1.0, length > SHORT_TOKENS]
+        self._reflow(advanced=True)
+        return pid
+
+    def stall(self, pids, seconds: float) -> None:
+        """The passes `pids` (those still running) make no progress for `seconds` from now."""
+        held = [self.running[pid] for pid in pids if pid in self.running]
+        if seconds <= 0 or not held:
+            return
+        self._advance()
+        for entry in held:
+            entry[0] += seconds * entry[5]
         self._reflow(advanced=True)
 
     def _advance(self) -> None:
@@ -458,6 +476,7 @@ class TsbatchWorker:
         self.returning = False  # a return is scheduled
         self.replied = -math.inf
         self.wakes = [0] * len(lanes)  # each lane's wake-up's number: a wake of an earlier wait is stale
+        self.passes: set[int] = set()  # the simulation's ids of this worker's running passes
 
     # the frontend's side
     @property
@@ -532,6 +551,7 @@ class TsbatchWorker:
             self.fleet.answer(index, status, now)
         self.done = {}
         self.replied = now
+        self.sim.stall(self.passes, self.sim.overheads.call)  # the return and the next call, between operators
         self.in_call = False
         self.returning = False
         self.fleet.returned(self)
@@ -573,6 +593,7 @@ class TsbatchWorker:
 
         def done() -> None:
             now = self.sim.now
+            self.passes.discard(pid)
             self.policy.finished(plan, now)
             for ticket in plan.tickets:
                 late = ticket.deadline is not None and now > ticket.deadline
@@ -582,8 +603,9 @@ class TsbatchWorker:
             self._kick()
             self._maybe_return()
 
-        self.sim.start(alone, plan.threads, done, background=plan.lane > 0,  # as scheduled.py lowers lane 1+
-                       length=bucket_tokens(batch.bucket), team=(self, plan.lane))
+        pid = self.sim.start(alone, plan.threads, done, background=plan.lane > 0,  # as scheduled.py lowers lane 1+
+                             length=bucket_tokens(batch.bucket), team=(self, plan.lane))
+        self.passes.add(pid)
 
     def _finish(self, ticket: Ticket, status: int) -> None:
         index = ticket.item.index

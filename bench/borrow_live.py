@@ -67,18 +67,26 @@ def in_process(cores: int, samples: int) -> dict:
                               for t in sorted({1, cores})})
 
 
+def lone_request(url: str) -> tuple[float, float]:
+    """One long request after LONE_GAP_S idle: end to end and its pass (x-tsbatch-timing), in ms."""
+    time.sleep(LONE_GAP_S)
+    started = time.perf_counter()
+    reply = requests.post(url, data=LONE_TEXT.encode(), headers={"Content-Type": "text/plain"}, timeout=30)
+    end = (time.perf_counter() - started) * 1000
+    reply.raise_for_status()
+    return end, timing_of(reply.headers.get(TIMING_HEADER, ""))["pass"]
+
+
+def lone_summary(timed: list[tuple[float, float]]) -> dict:
+    """Medians of end to end and of the pass over lone requests' (end, pass) in ms."""
+    ends, passes = [end for end, _ in timed], [p for _, p in timed]
+    return {"requests": len(timed), "end_to_end_p50_ms": round(statistics.median(ends), 1),
+            "pass_p50_ms": round(statistics.median(passes), 1), "pass_max_ms": round(max(passes), 1)}
+
+
 def lone(url: str, count: int) -> dict:
     """`count` long requests, LONE_GAP_S apart: medians of end to end and of their pass (ms)."""
-    ends, passes = [], []
-    for _ in range(count):
-        time.sleep(LONE_GAP_S)
-        started = time.perf_counter()
-        reply = requests.post(url, data=LONE_TEXT.encode(), headers={"Content-Type": "text/plain"}, timeout=30)
-        ends.append((time.perf_counter() - started) * 1000)
-        reply.raise_for_status()
-        passes.append(timing_of(reply.headers.get(TIMING_HEADER, ""))["pass"])
-    return {"requests": count, "end_to_end_p50_ms": round(statistics.median(ends), 1),
-            "pass_p50_ms": round(statistics.median(passes), 1), "pass_max_ms": round(max(passes), 1)}
+    return lone_summary([lone_request(url) for _ in range(count)])
 
 
 def markdown(report: dict) -> str:

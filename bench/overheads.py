@@ -36,7 +36,7 @@ from tsbatch.archiver.tune import continuous_batch_size  # noqa: E402
 from tsbatch.handlers.core.cost import profile_threads  # noqa: E402
 from tsbatch.handlers.edge.config import HandlerConfig  # noqa: E402
 
-MEASURED_ELSEWHERE = ("cold", "cold_tau", "beside_long", "intake", "spread")  # fit keys no serving here measures
+MEASURED_ELSEWHERE = ("cold", "cold_tau", "beside_long", "intake", "spread", "call")  # fit keys no serving here measures
 
 
 def cpu_now(frontend: int, workers: list[int]) -> dict[str, float]:
@@ -139,6 +139,8 @@ def markdown(report: dict) -> str:
              "(make bench-beside).") if f.get("beside_long") is not None else ""
     elsewhere += (f" `spread` {f['spread']} (quantile, a pass over its shape's median): how much a pass varies on the "
              "host, from bench/spread_bench.py (make bench-spread).") if f.get("spread") else ""
+    elsewhere += (f" `call` {f['call']} s: what one return to the frontend costs a running pass, from "
+             "bench/poll_live.py (make bench-poll).") if f.get("call") is not None else ""
     lines += ["", "The simulator's Overheads from these (`fit` in bench/overheads.py; (answered req/s, cores outside the "
               f"passes)): `outside` (continuous mode) {f['outside']}, `outside_first_come` {f['outside_first_come']}, "
               f"`latency` {f['latency']} s.{elsewhere}", ""]
@@ -172,6 +174,8 @@ def main(argv=None) -> int:
                         "beside a long one goes into the fit (before `beside` is fitted)")
     parser.add_argument("--spread", metavar="JSON", help="a make bench-spread report: how much a pass varies on the "
                         "host goes into the fit (before `beside` is fitted)")
+    parser.add_argument("--poll", metavar="JSON", help="a make bench-poll report: what one continuous-mode return to the "
+                        "frontend costs a running pass goes into the fit (before `beside` is fitted)")
     args = parser.parse_args(argv)
     if args.refit:
         report = None
@@ -191,7 +195,7 @@ def main(argv=None) -> int:
                          **fit(report)}
         report["refit"] = "python bench/overheads.py " + " ".join(sys.argv[1:] if argv is None else argv)
         for option, path, keys in (("--idle", args.idle, ("cold", "cold_tau")), ("--beside", args.beside, ("beside_long",)),
-                                   ("--spread", args.spread, ("spread",))):
+                                   ("--spread", args.spread, ("spread",)), ("--poll", args.poll, ("call",))):
             if path:
                 with open(path) as f:
                     measured_fit = json.load(f).get("fit") or {}

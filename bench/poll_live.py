@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shlex
 import statistics
 import sys
 import tempfile
@@ -29,7 +30,7 @@ sys.path.insert(0, REPO)
 
 import requests  # noqa: E402
 
-from bench.borrow_live import LONE_TEXT, lone  # noqa: E402
+from bench.borrow_live import LONE_TEXT, lone_request, lone_summary  # noqa: E402
 from bench.compare import build as build_archive  # noqa: E402
 from bench.loadtest import report as reports  # noqa: E402
 from bench.loadtest.sweep import at_rate_interleaved  # noqa: E402
@@ -68,10 +69,14 @@ def call_cost(slow: dict, fast: dict) -> float | None:
 
 def markdown(report: dict) -> str:
     polls = report["polls"]
+    # runs before the arms took turns request by request took them in blocks (e231488)
+    turns = ("the arms in turns request by request" if report.get("turns") == "request"
+             else f"the arms in turns {report['lone_requests']} requests at a time")
+    mix = (f"; then the mix at each rate, {report['rounds']} windows of {report['duration']:g} s per arm, interleaved"
+           if report["light"] else "")
     lines = [f"# `poll_ms` live ({report['when']}, {report['machine']})", "",
              f"Command: `{report['command']}`. Profile `{report['profile']}`. {report['lone_requests']} lone long "
-             f"requests per arm and round, 0.4 s apart, arms in turns; then the mix at each rate, {report['rounds']} "
-             f"windows of {report['duration']:g} s per arm, interleaved.", "",
+             f"requests per arm and round, 0.4 s apart, {turns}{mix}.", "",
              "| poll_ms | lone long end to end, median per round (ms) | its pass (ms) | handler calls per request |",
              "|---|---|---|---|"]
     for poll in polls:
@@ -82,8 +87,9 @@ def markdown(report: dict) -> str:
     fits = report["fit"]["call_per_round"]
     lines += ["", f"One return to the frontend costs a running pass, per round (`poll_ms` {polls[-1]} against "
               f"{polls[0]}): {fits} s; median **{report['fit']['call']} s** (the simulator's Overheads `call`; "
-              "`bench/overheads.py --refit ... --poll` puts it into an overheads report).", "",
-              "| rate | poll_ms | short p50 / p99 (ms) | long p50 / p99 (ms) | lost |", "|---|---|---|---|---|"]
+              "`bench/overheads.py --refit ... --poll` puts it into an overheads report)."]
+    if report["light"]:
+        lines += ["", "| rate | poll_ms | short p50 / p99 (ms) | long p50 / p99 (ms) | lost |", "|---|---|---|---|---|"]
     for rate, arms in report["light"].items():
         for poll in polls:
             p = arms[str(poll)]
@@ -96,7 +102,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", required=True, help="a latency profile (tsbatch archive --profile)")
     parser.add_argument("--polls", default="5,20,50", help="poll_ms of each arm, fastest first")
-    parser.add_argument("--rates", default="4,14")
+    parser.add_argument("--rates", default="4,14", help="the mix's rates after the lone requests ('': none)")
     parser.add_argument("--duration", type=float, default=20.0)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--lone", type=int, default=16, help="lone long requests per arm and round")
@@ -107,8 +113,8 @@ def main() -> int:
         parser.error("--polls needs two values or more")
     server.stop_on_sigterm()
     report = {"when": reports.utc_now(), "machine": reports.machine(), "profile": args.profile,
-              "command": f"make bench-poll BENCH_ARGS='{' '.join(sys.argv[1:])}'", "duration": args.duration,
-              "rounds": args.rounds, "lone_requests": args.lone, "polls": polls}
+              "command": f"make bench-poll BENCH_ARGS='{shlex.join(sys.argv[1:])}'", "duration": args.duration,
+              "rounds": args.rounds, "lone_requests": args.lone, "polls": polls, "turns": "request"}
     with tempfile.TemporaryDirectory(prefix="tsbatch-poll-") as root, contextlib.ExitStack() as servers:
         arms = {}
         for poll in polls:  # each torchserve started once the one before is READY: each warms alone
@@ -118,12 +124,15 @@ def main() -> int:
         report["lone"] = {arm: [] for arm in arms}
         order = list(arms)
         for turn in range(args.rounds):
-            for arm in (order if turn % 2 == 0 else order[::-1]):
-                served, url, name = arms[arm]
-                before = flushed_calls(served, url, name)
-                row = lone(url, args.lone)
+            before = {arm: flushed_calls(*arms[arm]) for arm in order}
+            timed = {arm: [] for arm in order}
+            for i in range(args.lone):  # the arms in turns request by request: each sees the host's same seconds
+                for arm in (order if (turn + i) % 2 == 0 else order[::-1]):
+                    timed[arm].append(lone_request(arms[arm][1]))
+            for arm in order:
+                row = lone_summary(timed[arm])
                 # the count between the two flushes: these requests and about one flush request's calls
-                row["calls_per_request"] = round((flushed_calls(served, url, name) - before) / (args.lone + 1), 2)
+                row["calls_per_request"] = round((flushed_calls(*arms[arm]) - before[arm]) / (args.lone + 1), 2)
                 report["lone"][arm].append(row)
                 print(f"lone, poll_ms {arm}, round {turn + 1}: {row}", flush=True)
         per_round = [call_cost(report["lone"][order[-1]][r], report["lone"][order[0]][r]) for r in range(args.rounds)]
@@ -131,7 +140,7 @@ def main() -> int:
         report["fit"] = {"call_per_round": per_round, "call": round(statistics.median(known), 6) if known else None}
         report["light"] = {}
         urls = {arm: url for arm, (_, url, _) in arms.items()}
-        for rate in (float(r) for r in args.rates.split(",")):
+        for rate in (float(r) for r in args.rates.split(",") if r):
             points = at_rate_interleaved(urls, rate, args.duration, args.rounds)
             report["light"][f"{rate:g}"] = {arm: {k: p[k] for k in ("short", "long", "all", "lost")}
                                             for arm, p in points.items()}

@@ -136,6 +136,15 @@ def test_the_cold_cost_is_what_long_pauses_add_and_its_time_constant_follows_the
     assert all(s == 0.0 for _, _, s in fit_cold(flat)["cold"])
 
 
+def test_a_return_costs_the_pass_growth_over_the_growth_in_calls_and_too_few_more_calls_tell_nothing():
+    from bench.poll_live import call_cost
+
+    slow = {"pass_p50_ms": 80.0, "calls_per_request": 2.0}
+    assert call_cost(slow, {"pass_p50_ms": 86.0, "calls_per_request": 14.0}) == pytest.approx(0.0005)
+    assert call_cost(slow, {"pass_p50_ms": 79.0, "calls_per_request": 12.0}) == pytest.approx(-0.0001)  # kept: noise
+    assert call_cost(slow, {"pass_p50_ms": 90.0, "calls_per_request": 2.4}) is None
+
+
 def test_spread_pools_every_pass_over_its_own_shapes_median_and_needs_enough_passes_for_a_p99():
     from bench.spread_bench import fit_spread, rows_and_ratios
 
@@ -160,15 +169,19 @@ def test_a_refit_keeps_what_was_measured_elsewhere_and_takes_the_hosts_spread(tm
         before = json.load(f)
     spread = tmp_path / "spread.json"
     spread.write_text(json.dumps({"fit": {"spread": [[0.0, 0.9], [0.5, 1.0], [1.0, 2.5]]}}))
+    poll = tmp_path / "poll.json"
+    poll.write_text(json.dumps({"fit": {"call_per_round": [0.0002, 0.0004], "call": 0.0003}}))
     out = str(tmp_path / "overheads")
-    assert main(["--refit", source, "--spread", str(spread), "--out", out]) == 0
+    assert main(["--refit", source, "--spread", str(spread), "--poll", str(poll), "--out", out]) == 0
     with open(out + ".json") as f:
         after = json.load(f)
     for key in ("outside", "outside_first_come", "latency", "cold", "cold_tau", "beside_long", "intake"):
         assert after["fit"][key] == before["fit"][key], key
     assert after["passes"] == before["passes"]
     assert Overheads.from_report(out + ".json").spread == ((0.0, 0.9), (0.5, 1.0), (1.0, 2.5))
-    assert "`spread` [[0.0, 0.9], [0.5, 1.0], [1.0, 2.5]]" in capsys.readouterr().out
+    assert Overheads.from_report(out + ".json").call == 0.0003
+    printed = capsys.readouterr().out
+    assert "`spread` [[0.0, 0.9], [0.5, 1.0], [1.0, 2.5]]" in printed and "`call` 0.0003 s" in printed
     spread.write_text(json.dumps({"fit": {}}))
     with pytest.raises(SystemExit):
         main(["--refit", source, "--spread", str(spread), "--out", out])

@@ -9,8 +9,8 @@ from dataclasses import replace
 
 import pytest
 
-from tsbatch.archiver.simulate import (Arm, Overheads, PassTimes, Simulation, at_rate, capacity, outside_cores, poisson,
-                                      shares_of, workload_tokens)
+from tsbatch.archiver.simulate import (Arm, Arrival, Overheads, PassTimes, Simulation, at_rate, capacity, outside_cores, poisson,
+                                      shares_of, simulate, workload_tokens)
 from tsbatch.handlers.core.buckets import default_edges
 from tsbatch.handlers.edge.config import HandlerConfig
 from tsbatch.warmup.profile import LatencyProfile
@@ -194,6 +194,37 @@ def test_a_team_that_waited_pays_the_measured_cold_cost_for_its_next_pass():
     assert ends["other"] == pytest.approx(2.9)  # another team's pause is its own: it never ran
 
 
+def test_a_stall_holds_up_only_the_passes_named_and_only_while_they_run():
+    ends = {}
+    sim = Simulation(cores=2, overheads=NO_OUTSIDE)
+    ids = {}
+    sim.at(0.0, lambda: ids.setdefault("a", sim.start(1.0, 1, lambda: ends.setdefault("a", sim.now))))
+    sim.at(0.0, lambda: ids.setdefault("b", sim.start(1.0, 1, lambda: ends.setdefault("b", sim.now))))
+    sim.at(0.5, lambda: sim.stall({ids["a"]}, 0.25))
+    sim.at(2.0, lambda: sim.stall({ids["a"]}, 0.25))  # ended by then: nothing to hold up
+    sim.run(100)
+    assert ends == {"a": pytest.approx(1.25), "b": pytest.approx(1.0)}
+
+
+def test_each_return_of_a_call_holds_up_the_running_pass_so_a_faster_poll_slows_a_lone_long_one():
+    """A lone long request on the template: while its pass runs the short lane is idle, so the call
+    goes back to the frontend every poll_ms; with a measured cost per return, the pass runs longer
+    the faster the poll, by about that cost per poll it spans."""
+    arrivals = [Arrival(0.0, 256)]
+    figures = {}
+    for poll in (5, 50):
+        arm = Arm(f"poll {poll}", config=HandlerConfig.from_yaml({"task": "embedding", "poll_ms": poll}), batch_size=96)
+        for call in (0.0, 0.0005):
+            point = simulate(arm, arrivals, PROFILES, MAX_LENGTH, overheads=replace(NO_OUTSIDE, call=call))
+            assert point.ok == 1
+            figures[poll, call] = point.latency["long"]["pass_p50"]
+    assert figures[5, 0.0] == figures[50, 0.0]  # not measured: the poll costs nothing
+    alone = figures[5, 0.0]
+    polls_spanned = alone / 5
+    assert figures[5, 0.0005] - alone == pytest.approx(0.5 * polls_spanned, rel=0.35)
+    assert figures[50, 0.0005] - alone < 0.5 * (alone / 50 + 1) + 0.05
+
+
 def test_outside_cores_follow_the_measured_curve():
     curve = ((10.0, 0.1), (20.0, 0.3), (40.0, 0.4))
     assert outside_cores(curve, 0) == 0.0
@@ -341,17 +372,18 @@ def test_overheads_measured_on_another_machine_come_from_its_report_and_change_t
     shipped = Overheads.from_report(os.path.join(REPO, "bench", "results", "overheads.json"))
     assert shipped.outside == Overheads().outside and shipped.beside == Overheads().beside  # the defaults cite it
     busy = {"fit": {"outside": [[1.0, 0.05]], "outside_first_come": [[1.0, 0.05]], "latency": 0.02,
-                    "cold": [[1, 16, 0.004]], "cold_tau": 0.03, "beside_long": 1.1, "intake": 0.001},
+                    "cold": [[1, 16, 0.004]], "cold_tau": 0.03, "beside_long": 1.1, "intake": 0.001, "call": 0.0003},
             "passes": {"beside": 2.0}}
     path = tmp_path / "overheads.json"
     path.write_text(json.dumps(busy))
     loaded = Overheads.from_report(str(path))
     assert loaded.outside == ((1.0, 0.05),) and loaded.latency == 0.02 and loaded.beside == 2.0
     assert loaded.cold == ((1, 16, 0.004),) and loaded.cold_tau == 0.03 and loaded.beside_long == 1.1
-    assert loaded.intake == 0.001
+    assert loaded.intake == 0.001 and loaded.call == 0.0003
     assert shipped.beside_long is None  # not measured where the defaults come from: `beside` stands
     assert shipped.intake == Overheads().intake == 0.0  # ... nor intake
     assert shipped.spread == Overheads().spread == ()  # ... nor the host's spread: the profile's stands
+    assert shipped.call == Overheads().call == 0.0  # ... nor what a return to the frontend costs a pass
     (tmp_path / "bad.json").write_text(json.dumps({"fit": {"outside": []}}))
     with pytest.raises(ValueError, match="bad.json"):
         Overheads.from_report(str(tmp_path / "bad.json"))
