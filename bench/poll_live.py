@@ -4,7 +4,8 @@ started one after the other so each worker warms alone.
 
 While a lane is idle, a call holding a request goes back to TorchServe every `poll_ms` to take in
 new arrivals; each return is work for the frontend and the worker's interpreter while the running
-pass needs them. First lone long requests, 0.4 s apart, in turns: end to end, their pass
+pass needs them. First lone long requests, 0.4 s apart, the arms in turns request by request (the
+host's speed drifts between blocks of requests by more than the poll costs): end to end, their pass
 (x-tsbatch-timing) and how many times TorchServe called the handler per request
 (tsbatch_handler_calls_total). From them, the seconds one return costs a running pass (the
 simulator's Overheads `call`): the pass's growth over the returns' growth from the slowest poll to
