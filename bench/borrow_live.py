@@ -42,15 +42,20 @@ LONE_TEXT = ("Serving a transformer encoder on a small machine means batching re
 LONE_GAP_S = 0.4
 
 
-def build(root: str, arm: str, profile: str, python: str = sys.executable) -> str:
-    """The arm's model store: the archive as `tsbatch archive --profile` builds it (with `python`'s
-    checkout), borrow_cores set."""
-    store = os.path.join(root, f"store_{arm}")
-    overlay = os.path.join(root, f"{arm}.yaml")
+def build_with(root: str, name: str, handler: str, profile: str, python: str = sys.executable) -> str:
+    """A model store holding `name`: the archive as `tsbatch archive --profile` builds it (with
+    `python`'s checkout), the handler-config overlay `handler` (YAML text) on top."""
+    store = os.path.join(root, f"store_{name}")
+    overlay = os.path.join(root, f"{name}.yaml")
     with open(overlay, "w") as f:
-        f.write(f"borrow_cores: {'false' if arm == 'off' else 'true'}\n")
-    build_archive(python, store, f"arm_{arm}", profile, extra=["--handler-config", overlay])
+        f.write(handler)
+    build_archive(python, store, name, profile, extra=["--handler-config", overlay])
     return store
+
+
+def build(root: str, arm: str, profile: str, python: str = sys.executable) -> str:
+    """The arm's model store (its model `arm_ARM`), borrow_cores set."""
+    return build_with(root, f"arm_{arm}", f"borrow_cores: {'false' if arm == 'off' else 'true'}\n", profile, python)
 
 
 def in_process(cores: int, samples: int) -> dict:
@@ -87,6 +92,16 @@ def lone_summary(timed: list[tuple[float, float]]) -> dict:
 def lone(url: str, count: int) -> dict:
     """`count` long requests, LONE_GAP_S apart: medians of end to end and of their pass (ms)."""
     return lone_summary([lone_request(url) for _ in range(count)])
+
+
+def light(urls: dict[str, str], rates: str, duration: float, rounds: int) -> dict:
+    """The mix at each of `rates` (comma separated; '' for none), the arms interleaved: per rate and
+    arm, both classes' figures and what was lost."""
+    out = {}
+    for rate in (float(r) for r in rates.split(",") if r):
+        points = at_rate_interleaved(urls, rate, duration, rounds)
+        out[f"{rate:g}"] = {arm: {k: p[k] for k in ("short", "long", "all", "lost")} for arm, p in points.items()}
+    return out
 
 
 def markdown(report: dict) -> str:
@@ -143,11 +158,7 @@ def main() -> int:
             for arm in (arms if turn % 2 == 0 else arms[::-1]):
                 report["lone"][arm].append(lone(urls[arm], args.lone))
                 print(f"lone, {arm}, round {turn + 1}: {report['lone'][arm][-1]}", flush=True)
-        report["light"] = {}
-        for rate in (float(r) for r in args.rates.split(",")):
-            points = at_rate_interleaved(urls, rate, args.duration, args.rounds)
-            report["light"][f"{rate:g}"] = {arm: {k: p[k] for k in ("short", "long", "all", "lost")}
-                                            for arm, p in points.items()}
+        report["light"] = light(urls, args.rates, args.duration, args.rounds)
     text = markdown(report)
     reports.write(os.path.join(args.out, "borrow-live"), report, text, indent=2)
     print(text)

@@ -31,10 +31,8 @@ sys.path.insert(0, REPO)
 
 import requests  # noqa: E402
 
-from bench.borrow_live import LONE_TEXT, lone_request, lone_summary  # noqa: E402
-from bench.compare import build as build_archive  # noqa: E402
+from bench.borrow_live import LONE_TEXT, build_with, light, lone_request, lone_summary  # noqa: E402
 from bench.loadtest import report as reports  # noqa: E402
-from bench.loadtest.sweep import at_rate_interleaved  # noqa: E402
 from bench.loadtest.torchserve import metric_total  # noqa: E402
 from tsbatch.archiver import server  # noqa: E402
 
@@ -46,12 +44,7 @@ def build(root: str, poll: int, profile: str) -> tuple[str, str]:
     """The arm's model store and model name: the archive as `tsbatch archive --profile` builds it,
     `poll_ms` set."""
     name = f"poll_{poll}"
-    store = os.path.join(root, f"store_{name}")
-    overlay = os.path.join(root, f"{name}.yaml")
-    with open(overlay, "w") as f:
-        f.write(f"poll_ms: {poll}\n")
-    build_archive(sys.executable, store, name, profile, extra=["--handler-config", overlay])
-    return store, name
+    return build_with(root, name, f"poll_ms: {poll}\n", profile), name
 
 
 def flushed_calls(served, url: str, name: str) -> float:
@@ -139,12 +132,7 @@ def main() -> int:
         per_round = [call_cost(report["lone"][order[-1]][r], report["lone"][order[0]][r]) for r in range(args.rounds)]
         known = [c for c in per_round if c is not None]
         report["fit"] = {"call_per_round": per_round, "call": round(statistics.median(known), 6) if known else None}
-        report["light"] = {}
-        urls = {arm: url for arm, (_, url, _) in arms.items()}
-        for rate in (float(r) for r in args.rates.split(",") if r):
-            points = at_rate_interleaved(urls, rate, args.duration, args.rounds)
-            report["light"][f"{rate:g}"] = {arm: {k: p[k] for k in ("short", "long", "all", "lost")}
-                                            for arm, p in points.items()}
+        report["light"] = light({arm: url for arm, (_, url, _) in arms.items()}, args.rates, args.duration, args.rounds)
     text = markdown(report)
     reports.write(os.path.join(args.out, "poll-live"), report, text, indent=2)
     print(text)

@@ -11,6 +11,7 @@ capacity. Deterministic; the figures docs/experiments.md quotes.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import shlex
 import statistics
@@ -34,9 +35,14 @@ FIRST_COME = sim.Arm("first-come", kind="first-come", threads=2)
 
 def setting(args, first_come: bool = False) -> tuple:
     """The profiles (first-come's own where given, as make bench times its control), the overheads, the tuned arm."""
-    path = args.profile_first_come if first_come and args.profile_first_come else args.profile
-    profile = pipeline.load_profile(path)
-    return {profile_threads(profile): profile}, sim.Overheads.from_report(args.overheads), tuned_arm(args.profile, TARGET_MS)
+    return _setting(args.profile, args.profile_first_come if first_come else None, args.overheads)
+
+
+@functools.lru_cache(maxsize=None)
+def _setting(profile_path: str, first_come_path: str | None, overheads: str) -> tuple:
+    """Once per pool process: tuning the arm takes seconds, and every job would otherwise repeat it."""
+    profile = pipeline.load_profile(first_come_path or profile_path)
+    return {profile_threads(profile): profile}, sim.Overheads.from_report(overheads), tuned_arm(profile_path, TARGET_MS)
 
 
 def with_poll(arm: sim.Arm, poll: int) -> sim.Arm:
