@@ -79,7 +79,9 @@ class Model(abc.ABC):
         return {"device": str(self.device), "max_length": self.max_length}
 
     def use_threads(self, count: int, background: bool = False) -> None:
-        """Intra-op threads for passes run from the calling thread (a lane); nothing by default."""
+        """Intra-op threads for passes run from the calling thread (a lane); nothing by default.
+        A torch model sets them with handlers/models/threads.py's `use_intra_op_threads`: a bare
+        `torch.set_num_threads` on a lane does not stay set (see there)."""
 
     def ready(self) -> None:
         """Warmup is done: every shape the handler forms has run once."""

@@ -69,6 +69,7 @@ class GenerationHandler:
         import torch
 
         from tsbatch.handlers.models.generation_runner import GenerationRunner
+        from tsbatch.handlers.models.threads import use_intra_op_threads
         from tsbatch.handlers.runtime.generation_engine import GenerationEngine
 
         started = time.monotonic()
@@ -77,7 +78,7 @@ class GenerationHandler:
         yaml_config = context.model_yaml_config or {}
         self.config = config = GenerationConfig.from_section(yaml_config.get("handler"))
         if config.torch_threads:
-            torch.set_num_threads(config.torch_threads)
+            use_intra_op_threads(config.torch_threads)
         gpu_id = context.system_properties.get("gpu_id")
         on_gpu = config.device == "auto" and str(gpu_id).isdigit() and torch.cuda.is_available()
         device = f"cuda:{gpu_id}" if on_gpu else "cpu"

@@ -32,6 +32,7 @@ from tsbatch.handlers.core.errors import ConfigError, InputTooLong
 from tsbatch.handlers.core.isolate import describe, is_out_of_memory
 from tsbatch.handlers.edge.config import Dtype, HandlerConfig, Task
 from tsbatch.handlers.models.entities import group_entities
+from tsbatch.handlers.models.threads import use_intra_op_threads
 from tsbatch.handlers.runtime.graphs import GraphBook, graph_limit
 from tsbatch.handlers.runtime.memory import budget_bytes
 from tsbatch.warmup.plan import Shape
@@ -117,7 +118,7 @@ class EncoderModel(Model):
                            "(AMX, AVX512-BF16/FP16), its passes run slower than float32 (torch sees %s)",
                            Dtype(config.dtype).value, torch.backends.cpu.get_cpu_capability())
         if config.torch_threads:
-            torch.set_num_threads(config.torch_threads)
+            use_intra_op_threads(config.torch_threads)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
         if not getattr(self.tokenizer, "is_fast", False) and self.task is Task.TOKEN_CLASSIFICATION:
             raise ConfigError("token_classification needs a fast tokenizer (tokenizer.json) for offsets")
@@ -180,7 +181,7 @@ class EncoderModel(Model):
         lane also lowers its OS priority (its team's threads inherit it): under contention the
         short lane, the worker's I/O threads and the frontend run first, the long lane takes what
         is left."""
-        torch.set_num_threads(max(1, count))
+        use_intra_op_threads(count)
         if background and hasattr(os, "setpriority"):
             try:
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)

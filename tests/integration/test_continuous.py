@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 from tsbatch.handlers.edge.modes.continuous_mode import reply_pace
 from tsbatch.handlers.edge.stages import BATCH_SIZE_HEADER
@@ -218,19 +219,26 @@ def test_with_borrow_cores_a_lone_long_request_runs_on_both_lanes_threads_and_an
     profile = handler.profile
     assert profile.lookup(batch=1, bucket=256, threads=2) is not None  # warmup timed the wide shapes too
     assert profile.lookup(batch=1, bucket=256) is not None
-    switched = []
+    switched, ran_on = [], []  # ran_on: (bucket, the OpenMP threads of the lane running the pass)
     model = handler.worker.model
-    own_use_threads = model.use_threads
+    own_use_threads, own_forward = model.use_threads, model.forward
     model.use_threads = lambda count, background=False: (switched.append(count), own_use_threads(count, background))
+    model.forward = lambda batch: (ran_on.append((batch.bucket, torch.get_num_threads())), own_forward(batch))[1]
     try:
         frontend = ContinuousFrontend(handler, context)
+        frontend.submit("short", TEXTS[0])
+        frontend.drain()
+        time.sleep(0.5)  # a long arrival gap: the policy expects the long pass over before the next request
         frontend.submit("long", LONG)
         replies = frontend.drain()
     finally:
-        model.use_threads = own_use_threads
+        model.use_threads, model.forward = own_use_threads, own_forward
     assert replies["long"].status == 200
     assert cosine(replies["long"].body["embedding"], reference[LONG]) >= 0.9999
     wide = profile.lookup(batch=1, bucket=256, threads=2).median_ms
     own = profile.lookup(batch=1, bucket=256).median_ms
     # the policy lends the idle short lane's thread where warmup measured it 10 ms faster
     assert switched == ([2] if wide <= own - 10 else []), (own, wide, switched)
+    # each lane runs on the threads the policy gave it: the short lane's one thread stayed one
+    # although the long lane warmed on two after it set its own (handlers/models/threads.py)
+    assert ran_on == [(32, 1), (256, 2 if switched else 1)], ran_on
