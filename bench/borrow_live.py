@@ -72,21 +72,25 @@ def in_process(cores: int, samples: int) -> dict:
                               for t in sorted({1, cores})})
 
 
-def lone_request(url: str) -> tuple[float, float]:
-    """One long request after LONE_GAP_S idle: end to end and its pass (x-tsbatch-timing), in ms."""
+def lone_request(url: str) -> tuple[float, float, int]:
+    """One long request after LONE_GAP_S idle: end to end and its pass in ms, and the intra-op
+    threads the pass ran on (x-tsbatch-timing; 0 where the header does not say)."""
     time.sleep(LONE_GAP_S)
     started = time.perf_counter()
     reply = requests.post(url, data=LONE_TEXT.encode(), headers={"Content-Type": "text/plain"}, timeout=30)
     end = (time.perf_counter() - started) * 1000
     reply.raise_for_status()
-    return end, timing_of(reply.headers.get(TIMING_HEADER, ""))["pass"]
+    timing = timing_of(reply.headers.get(TIMING_HEADER, ""))
+    return end, timing["pass"], int(timing.get("threads", 0))
 
 
-def lone_summary(timed: list[tuple[float, float]]) -> dict:
-    """Medians of end to end and of the pass over lone requests' (end, pass) in ms."""
-    ends, passes = [end for end, _ in timed], [p for _, p in timed]
+def lone_summary(timed: list[tuple[float, float, int]]) -> dict:
+    """Medians of end to end and of the pass over lone requests' (end, pass, threads) in ms, and
+    how many passes ran on more than one thread (borrowed)."""
+    ends, passes = [t[0] for t in timed], [t[1] for t in timed]
     return {"requests": len(timed), "end_to_end_p50_ms": round(statistics.median(ends), 1),
-            "pass_p50_ms": round(statistics.median(passes), 1), "pass_max_ms": round(max(passes), 1)}
+            "pass_p50_ms": round(statistics.median(passes), 1), "pass_max_ms": round(max(passes), 1),
+            "wide": sum(1 for t in timed if t[2] > 1)}
 
 
 def lone(url: str, count: int) -> dict:
@@ -111,11 +115,12 @@ def markdown(report: dict) -> str:
              f"Each arm in its own torchserve, warmed alone; rounds interleaved.", "",
              f"In process, one lane thread, batch 1 x 256 tokens after {LONE_GAP_S:g} s idle: "
              + ", ".join(f"{t} thread(s) {ms} ms" for t, ms in reference.items()) + ".", "",
-             f"Lone long requests ({LONE_GAP_S:g} s apart, {report['lone_requests']} per arm and round, medians pooled "
-             "over rounds):", "", "| arm | end to end (ms) | pass (ms) |", "|---|---|---|"]
+             f"Lone long requests ({LONE_GAP_S:g} s apart, {report['lone_requests']} per arm and round, medians per "
+             "round):", "", "| arm | end to end (ms) | pass (ms) | passes on more than one thread |", "|---|---|---|---|"]
     for arm, rounds in report["lone"].items():
         lines.append(f"| {arm}: {ARMS[arm]} | {' / '.join(str(r['end_to_end_p50_ms']) for r in rounds)} | "
-                     f"{' / '.join(str(r['pass_p50_ms']) for r in rounds)} |")
+                     f"{' / '.join(str(r['pass_p50_ms']) for r in rounds)} | "
+                     f"{' / '.join(str(r.get('wide', '-')) for r in rounds)} |")
     lines += ["", "(one figure per round)", "",
               f"The mix at light load ({report['duration']} s windows, {report['rounds']} per arm and rate, pooled):", "",
               "| arm | rate (req/s) | short p50 / p99 (ms) | long p50 / p99 (ms) | lost |", "|---|---|---|---|---|"]

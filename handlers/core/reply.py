@@ -22,8 +22,9 @@ from tsbatch.warmup.plan import Bucket
 class Answer:
     """What one request got: its result or its error, the size of the pass that computed it, the
     bucket it was padded to (0 when it never ran), and when (monotonic seconds) the handler first
-    saw it, its pass started and ended (0 when unknown): x-tsbatch-timing. A request of several
-    texts gets its texts' results as one list, or the first failed text's error."""
+    saw it, its pass started and ended (0 when unknown) and the intra-op threads the pass ran on
+    (0 when no lane ran it): x-tsbatch-timing. A request of several texts gets its texts' results
+    as one list, or the first failed text's error."""
 
     outcome: Any  # a result (dict or list) or a ServingError
     batch_size: int = 1
@@ -31,6 +32,7 @@ class Answer:
     arrived: float = 0.0
     started: float = 0.0
     finished: float = 0.0
+    threads: int = 0
     parts: tuple["Answer", ...] = ()  # a request of several texts: each text's own answer
     envelope: str = ""  # and the shape its results go back in (handlers/edge/envelopes.py)
 
@@ -96,7 +98,7 @@ class Reply:
         answers = tuple(self._answers)
         times = dict(arrived=min(a.arrived for a in answers),
                      started=min((a.started for a in answers if a.started), default=0.0),
-                     finished=max(a.finished for a in answers))
+                     finished=max(a.finished for a in answers), threads=max(a.threads for a in answers))
         failed = next((i for i, a in enumerate(answers) if a.failed), None)
         if failed is not None:
             return Answer(answers[failed].outcome.at(failed), answers[failed].batch_size, 0, **times)

@@ -169,8 +169,9 @@ def answer(call: Call, context) -> list[str]:
         context.set_response_header(index, WORKER_HEADER, str(os.getpid()))
         if answered.started:
             ms = lambda seconds: f"{seconds * 1000:.1f}"  # noqa: E731
+            threads = f"threads={answered.threads}; " if answered.threads else ""  # a lane's pass: borrowed or not
             context.set_response_header(index, TIMING_HEADER, f"wait={ms(answered.started - answered.arrived)}; "
-                                        f"pass={ms(answered.finished - answered.started)}; "
+                                        f"pass={ms(answered.finished - answered.started)}; {threads}"
                                         f"handler={ms(time.monotonic() - answered.arrived)}")
         if isinstance(outcome, ServingError):
             context.set_response_status(outcome.status, HTTPStatus(outcome.status).phrase, idx=index)

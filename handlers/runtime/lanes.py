@@ -147,7 +147,8 @@ class Lanes:
         for ticket, outcome in zip(tickets, outcomes):
             if ticket.deadline is not None and finished > ticket.deadline and not isinstance(outcome, ServingError):
                 outcome = late()
-            self._answer(ticket, Answer(outcome, len(tickets), batch.bucket, ticket.arrived, started, finished))
+            self._answer(ticket, Answer(outcome, len(tickets), batch.bucket, ticket.arrived, started, finished,
+                                        plan.threads))
         self.on_batch(batch, tickets, report, started, finished)  # after answering: metrics never delay them
 
     def _answer(self, ticket: Ticket, answer: Answer) -> None:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tsbatch.handlers.edge.modes.continuous_mode import reply_pace
-from tsbatch.handlers.edge.stages import BATCH_SIZE_HEADER
+from tsbatch.handlers.edge.stages import BATCH_SIZE_HEADER, TIMING_HEADER
 from tests.support import ContinuousFrontend, call, cosine, load_handler
 
 pytestmark = pytest.mark.integration
@@ -227,7 +227,7 @@ def test_with_borrow_cores_a_lone_long_request_runs_on_both_lanes_threads_and_an
     try:
         frontend = ContinuousFrontend(handler, context)
         frontend.submit("short", TEXTS[0])
-        frontend.drain()
+        short = frontend.drain()["short"]
         time.sleep(0.5)  # a long arrival gap: the policy expects the long pass over before the next request
         frontend.submit("long", LONG)
         replies = frontend.drain()
@@ -242,3 +242,6 @@ def test_with_borrow_cores_a_lone_long_request_runs_on_both_lanes_threads_and_an
     # each lane runs on the threads the policy gave it: the short lane's one thread stayed one
     # although the long lane warmed on two after it set its own (handlers/models/threads.py)
     assert ran_on == [(32, 1), (256, 2 if switched else 1)], ran_on
+    # and each reply says so (x-tsbatch-timing)
+    assert "threads=1;" in short.headers[TIMING_HEADER], short.headers
+    assert f"threads={2 if switched else 1};" in replies["long"].headers[TIMING_HEADER]

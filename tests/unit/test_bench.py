@@ -266,3 +266,10 @@ def test_compare_pools_every_status_but_200_across_rounds():
     report = {"started": "now", "machine": "here", "seconds": 20, "rounds": 2, "arms": {"after": "main"},
               "points": {"14": {"after": both}}}
     assert "| 14 | after | 20 | 6 (503: 5, 504: 1) |" in markdown(report)
+
+
+def test_lone_summary_counts_the_passes_that_ran_on_more_than_one_thread():
+    from bench.borrow_live import lone_summary
+
+    row = lone_summary([(90.0, 80.0, 1), (70.0, 60.0, 2), (72.0, 62.0, 2), (95.0, 85.0, 0)])
+    assert row == {"requests": 4, "end_to_end_p50_ms": 81.0, "pass_p50_ms": 71.0, "pass_max_ms": 85.0, "wide": 2}

@@ -112,3 +112,11 @@ def test_a_done_callback_that_takes_the_waiters_lock_does_not_deadlock_with_a_fo
     assert not lane.is_alive() and not forcer.is_alive()
     assert got_lock == [True], "the callback waited for the waiter's lock until it gave up: deadlock"
     assert forced.is_set() and reply.answer().outcome == {"r": 1}  # settled first: the force was a no-op
+
+
+def test_a_request_of_several_texts_reports_the_widest_of_its_passes():
+    reply = Reply(2)
+    reply.settle(0, Answer({"r": 0}, 1, 32, arrived=1.0, started=1.5, finished=2.0, threads=1))
+    reply.settle(1, Answer({"r": 1}, 1, 256, arrived=1.0, started=1.2, finished=3.0, threads=2))
+    answer = reply.answer()
+    assert (answer.threads, answer.started, answer.finished) == (2, 1.2, 3.0)
