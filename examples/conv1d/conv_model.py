@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from tsbatch.handlers.api import BadInput, Batch, Model, Request
+from tsbatch.handlers.models.threads import use_intra_op_threads
 
 
 class ConvNet(torch.nn.Module):
@@ -78,4 +79,4 @@ class ConvModel(Model):
                 "model": "ConvNet", "torch": torch.__version__}
 
     def use_threads(self, count: int, background: bool = False) -> None:
-        torch.set_num_threads(max(1, count))
+        use_intra_op_threads(count)  # a bare torch.set_num_threads on a lane does not stay set

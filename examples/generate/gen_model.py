@@ -19,6 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tsbatch.handlers.api import BadInput, Batch, Model, Request
+from tsbatch.handlers.models.threads import use_intra_op_threads
 
 DEFAULT_NEW_TOKENS = 16
 
@@ -91,4 +92,4 @@ class GenerationModel(Model):
                 "torch_threads": torch.get_num_threads(), "torch": torch.__version__}
 
     def use_threads(self, count: int, background: bool = False) -> None:
-        torch.set_num_threads(count)
+        use_intra_op_threads(count)  # a bare torch.set_num_threads on a lane does not stay set
