@@ -42,6 +42,10 @@ FULL = 1 / math.log(2)  # ... from which one lane cannot keep up with passes of 
 # frontend and the worker's I/O, which then find no core free, lose more than the pass gains (short
 # passes on both threads at light load lost live, docs/experiments.md 12-01 11:22)
 BORROW_SAVING = 0.010
+# ... and only when the median of this many arrival gaps says the pass is likely over before the next
+# arrival: over RECENT's 8, one long pass in ten borrowed at 14 req/s, and a short pass that ran
+# beside one could take it to 4x its time (docs/experiments.md 12-06 18:10)
+BORROW_RECENT = 32
 
 
 class Priority(enum.IntEnum):
@@ -172,17 +176,17 @@ def call_hold(poll: float, free_in: float) -> float:
 
 class Arrivals:
     """Recent arrivals: the median gap between the last RECENT of them (one lull before a burst
-    does not hide the burst)."""
+    does not hide the burst), or of the last `keep` for a decision that a lull must not mislead."""
 
-    def __init__(self):
-        self.times: deque = deque(maxlen=RECENT)
+    def __init__(self, keep: int = RECENT):
+        self.times: deque = deque(maxlen=keep)
 
     def arrived(self, now: float) -> None:
         self.times.append(now)
 
-    def median_gap(self) -> float:
+    def median_gap(self, last: int = RECENT) -> float:
         """Infinite before two arrivals: nothing says the worker is busy."""
-        times = list(self.times)
+        times = list(self.times)[-last:]
         if len(times) < 2:
             return math.inf
         gaps = sorted(max(0.0, b - a) for a, b in zip(times, times[1:]))
@@ -201,7 +205,7 @@ class Policy:
         lanes = [tuple(lane) for lane in (lanes or [settings.edges])]
         self.lanes = [LaneState(lane, (threads or [1] * len(lanes))[i]) for i, lane in enumerate(lanes)]
         self.owner = {bucket: i for i, lane in enumerate(self.lanes) for bucket in lane.buckets}
-        self.arrivals = Arrivals()  # the worker's
+        self.arrivals = Arrivals(keep=BORROW_RECENT)  # the worker's
         self.company: dict[Bucket, Arrivals] = {edge: Arrivals() for edge in settings.edges}  # each bucket's
 
     def __len__(self) -> int:
@@ -311,7 +315,7 @@ class Policy:
         wide = own + sum(s.threads for s in others)
         at_wide = self.cost.median(bucket=batch.bucket, size=batch.size, threads=wide)
         at_own = self.cost.median(bucket=batch.bucket, size=batch.size, threads=own)
-        return wide if 0 < at_wide <= at_own - BORROW_SAVING and self.quiet(at_wide) else own
+        return wide if 0 < at_wide <= at_own - BORROW_SAVING and self.quiet(at_wide, last=BORROW_RECENT) else own
 
     def finished(self, plan: Plan, now: float) -> None:
         """The lane's pass (if any) ended at `now`: it is free, and its pace learns how long it took."""
@@ -424,10 +428,10 @@ class Policy:
             return oldest  # busy, but no company would come within the hold
         return oldest + max_wait  # fill batches
 
-    def quiet(self, seconds: float) -> bool:
+    def quiet(self, seconds: float, last: int = RECENT) -> bool:
         """Whether a pass of `seconds` is likely over before the next request arrives: it takes
-        under BUSY of the worker's median arrival gap."""
-        return seconds < BUSY * self.arrivals.median_gap()
+        under BUSY of the worker's median arrival gap (over its `last` arrivals)."""
+        return seconds < BUSY * self.arrivals.median_gap(last)
 
     def _serving(self, bucket: Bucket) -> int:
         """How many lanes can run `bucket`'s passes now: its own and each later lane that is idle

@@ -15,7 +15,8 @@ import pytest
 from tsbatch.handlers.core.buckets import batch_cap, Batch, Item
 from tsbatch.handlers.core.cost import CostModel
 from tsbatch.handlers.core.errors import BadInput, Overloaded
-from tsbatch.handlers.core.policy import Plan, Policy, PolicySettings, Priority, Ticket, borrowing_lane, within_budget
+from tsbatch.handlers.core.policy import (BORROW_RECENT, RECENT, Plan, Policy, PolicySettings, Priority, Ticket, borrowing_lane,
+                                          within_budget)
 
 pytestmark = pytest.mark.unit
 
@@ -775,3 +776,20 @@ def test_no_borrowing_while_requests_arrive_more_often_than_every_two_borrowed_p
     for i in range(8):  # one every 100 ms: over before the next
         submit(q, 256, 1, arrived=i * 0.100)
     assert q.schedule(1, 1.0).threads == 2
+
+
+def test_a_lull_in_the_last_few_arrivals_does_not_make_a_busy_worker_borrow():
+    """Quiet, for borrowing, is judged over BORROW_RECENT arrival gaps: at 14 req/s the median of 8
+    gaps said quiet for about one long pass in ten, and a short pass beside a borrowed one could take
+    it to 4x its time (docs/experiments.md 12-06 18:10)."""
+    p = one_thread_lanes(wide_cost(0.088, 0.045), borrow_cores=True)
+    times = [i * 0.050 for i in range(BORROW_RECENT - RECENT)]  # busy: one every 50 ms ...
+    times += [times[-1] + (i + 1) * 0.150 for i in range(RECENT)]  # ... then a lull of 8 gaps of 150 ms
+    for t in times:
+        submit(p, 256, 1, arrived=t)
+    assert p.quiet(0.045)  # holding for company reads the last 8 gaps: quiet
+    assert p.schedule(1, times[-1]).threads == 1  # borrowing reads 32: not quiet
+    q = one_thread_lanes(wide_cost(0.088, 0.045), borrow_cores=True)
+    for i in range(BORROW_RECENT):  # one every 150 ms throughout: borrows
+        submit(q, 256, 1, arrived=i * 0.150)
+    assert q.schedule(1, BORROW_RECENT * 0.150).threads == 2
