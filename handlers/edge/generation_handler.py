@@ -30,7 +30,7 @@ from http import HTTPStatus
 
 from tsbatch.handlers.core.errors import BadInput, InputTooLong, ModelFailed, Overloaded, ServingError
 from tsbatch.handlers.core.generation_policy import GenerationRequest, GenerationPolicy, Status
-from tsbatch.handlers.edge import backend_socket
+from tsbatch.handlers.edge import backend_socket, call_lines
 from tsbatch.handlers.edge.client_watch import ClientWatch
 from tsbatch.handlers.edge.generation_api import (GenerationConfig, TextStream, answer_body, deadline_of, kv_bound_for,
                                                   line, parse_ask, priority_of)
@@ -75,6 +75,7 @@ class GenerationHandler:
         started = time.monotonic()
         backend_socket.lock_writes()  # intermediate and final replies are written from two threads
         backend_socket.buffer_reads()  # TorchServe reads each field of a call with its own recv
+        call_lines.quiet_calls(getattr(context, "metrics", None))  # and prints two lines per call
         yaml_config = context.model_yaml_config or {}
         self.config = config = GenerationConfig.from_section(yaml_config.get("handler"))
         if config.torch_threads:

@@ -21,7 +21,7 @@ from tsbatch.handlers.api import Model, device_type
 from tsbatch.handlers.core.buckets import Bucket
 from tsbatch.handlers.core.isolate import Isolator
 from tsbatch.handlers.core.policy import lane_threads, split_lanes
-from tsbatch.handlers.edge import backend_socket, frontend_warmup
+from tsbatch.handlers.edge import backend_socket, call_lines, frontend_warmup
 from tsbatch.handlers.edge.config import HandlerConfig
 from tsbatch.handlers.edge.metrics import Metrics
 from tsbatch.handlers.edge.modes import make_mode, serving_mode
@@ -53,6 +53,7 @@ class TsbatchHandler:
 
     def initialize(self, context) -> None:
         backend_socket.buffer_reads()  # TorchServe reads each field of a call with its own recv
+        call_lines.quiet_calls(getattr(context, "metrics", None))  # and prints two lines per call
         if serving_mode(context.model_yaml_config or {}) == "default":
             self._initialize(context)  # its passes run on this thread, on the team warmup made
         else:
