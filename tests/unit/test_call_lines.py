@@ -5,10 +5,10 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import struct
 
 import pytest
 
+from tests.unit.test_backend_socket import call
 from tsbatch.handlers.edge import call_lines
 
 otf = pytest.importorskip("ts.protocol.otf_message_handler")
@@ -34,19 +34,11 @@ def quiet_root():
         root.addFilter(f)
 
 
-def one_call() -> bytes:
-    def field(value: bytes) -> bytes:
-        return struct.pack("!i", len(value)) + value
-    end = struct.pack("!i", -1)
-    return (b"I" + field(b"a" * 36) + field(b"host") + field(b"127.0.0.1") + end
-            + field(b"body") + field(b"text/plain") + field(b"a text") + end + end)
-
-
 def received_lines(caplog) -> int:
     """How many "Backend received inference" records TorchServe's reader logs for one call."""
     reader, writer = socket.socketpair()
     try:
-        writer.sendall(one_call())
+        writer.sendall(call([(b"a" * 36, [(b"host", b"127.0.0.1")], b"a text")]))  # as the frontend encodes it
         caplog.clear()
         with caplog.at_level(logging.INFO):
             cmd, message = otf.retrieve_msg(reader)
