@@ -53,13 +53,14 @@ def light_markdown(light: dict, labels: dict[str, str]) -> list[str]:
     return lines
 
 
-def light_only(args, arms: list[str], build: Callable[[str], str], labels: dict[str, str]) -> int:
+def light_only(args, arms: list[str], build: Callable[[str], str], labels: dict[str, str], command: str) -> int:
     """`--light-only`: the light-load rows alone, at the shipped capacity of the last full run;
-    `build(root)` builds every arm's archive under root and returns the model store."""
+    `build(root)` builds every arm's archive under root and returns the model store; `command`: the
+    run's own, every argument named."""
     with open(os.path.join(args.out, "bench.json")) as f:
         shipped = json.load(f)["arms"]["d"]["capacity"]
     report = {"when": reports.utc_now(), "machine": reports.machine(),
-              "command": "make bench BENCH_ARGS='--light-only" + (" --before PY'" if args.before else "'"),
+              "command": command,
               "mix": "85% short (lognormal, median ~16 tokens), 15% long (200-256 tokens)",
               "duration": args.duration, "rounds": args.rounds, "shipped_capacity": shipped,
               "before": reports.checkout_of(args.before) if args.before else None,

@@ -185,7 +185,9 @@ def main(argv=None) -> int:
     server.stop_on_sigterm()
     arms = arms + ([BEFORE] if args.before else [])
     if args.light_only:
-        return light.light_only(args, arms, lambda root: build_arms(root, args.model_dir, arms, args.before), labels())
+        return light.light_only(args, arms, lambda root: build_arms(root, args.model_dir, arms, args.before,
+                                                                   profile=args.profile), labels(),
+                                report["command"])
     split = report["cores"] = split_cores()
     with tempfile.TemporaryDirectory(prefix="tsbatch-bench-") as root:
         use_cores(split, "server")  # the profile and the torchserve started next run on these
