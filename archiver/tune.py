@@ -43,6 +43,12 @@ RESPONSE_MARGIN = 2.0
 ASSUMED_LOAD_SECONDS = 30.0  # when the profile does not say how long the model took to load
 MIN_JOB_QUEUE = 100  # TorchServe's default job_queue_size
 MAX_WAIT_SHARE = 0.1  # max_wait_ms never takes more than this share of the target
+# batch sizes whose requests/s lie within this share of the best count as equal, and the largest
+# of them is the cap: the profile times the forward alone, a live pass also carries its lane's own
+# work (padding, outputs, replies), which a larger batch spreads over more requests; closer than
+# this the profile cannot tell sizes apart (median against p90: 2-6% on fc-v1300). Measured:
+# docs/experiments.md, 12-07 00:14
+NEAR_THROUGHPUT = 0.03
 INTAKE_ROOM = 32  # continuous mode: requests a full worker still takes in (to answer 503 itself)
 MODES = ("continuous", "async")
 
@@ -121,7 +127,7 @@ class Tuning:
 
 def bucket_reason(plan: BucketPlan) -> str:
     why = {"target": "a larger batch would break the per-pass budget",
-           "throughput": "larger measured batches serve fewer requests/s",
+           "throughput": f"larger measured batches serve over {NEAR_THROUGHPUT:.0%} fewer requests/s",
            "largest measured": "the largest batch the profile measured",
            "out of memory": "a larger batch ran out of memory while profiling"}[plan.limited_by]
     return (f"bucket {bucket_label(plan.bucket)} tokens, lane {plan.lane}: batch {plan.batch} serves "
@@ -221,8 +227,8 @@ def _sizes(shapes: list[ShapeTiming], bucket: int, config: HandlerConfig) -> lis
 
 
 def choose_cap(shapes: list[ShapeTiming], budget_ms: float) -> tuple[ShapeTiming, str]:
-    """The size with the most requests/s among those whose p90 (and every smaller size's) fits the
-    budget: the handler forms every power of two below its cap too."""
+    """The largest size within NEAR_THROUGHPUT of the most requests/s among those whose p90 (and
+    every smaller size's) fits the budget: the handler forms every power of two below its cap too."""
     allowed = []
     for shape in shapes:
         if shape.p90_ms > budget_ms:
@@ -230,7 +236,12 @@ def choose_cap(shapes: list[ShapeTiming], budget_ms: float) -> tuple[ShapeTiming
         allowed.append(shape)
     if not allowed:
         raise ValueError("no allowed size")  # callers check batch 1 first
-    best = max(allowed, key=lambda s: (s.batch / s.median_ms if s.median_ms > 0 else math.inf, -s.batch))
+
+    def rate(s: ShapeTiming) -> float:
+        return s.batch / s.median_ms if s.median_ms > 0 else math.inf
+
+    top = max(rate(s) for s in allowed)
+    best = max((s for s in allowed if rate(s) >= (1 - NEAR_THROUGHPUT) * top), key=lambda s: s.batch)
     if best is not allowed[-1]:
         limited = "throughput"
     elif len(allowed) < len(shapes):
@@ -306,7 +317,8 @@ def tune(profile: LatencyProfile, target_ms: float, machine: Machine, config: Ha
         "buckets": Choice(edges_per_size(edges), "the buckets the profile measured: caps are per bucket, so serving "
                                        "uses the same edges"),
         "batch_caps": Choice({config_key(p.bucket): p.batch for p in plans},
-                             f"per bucket, the measured batch size with the most requests/s whose p90 fits "
+                             f"per bucket, the largest measured batch size within {NEAR_THROUGHPUT:.0%} of the most requests/s "
+                             f"whose p90 fits "
                              f"the per-pass budget (target {target_ms:g} - max_wait {wait_ms - intake_ms:g}"
                              + (f" - poll {intake_ms:g}" if intake_ms else "") + f") / 2 = {budget:.1f} ms: then "
                              "p99 <= " + ("poll + " if intake_ms else "") + "max_wait + one pass ahead + its own pass"
@@ -338,7 +350,8 @@ def _refuse(profile: LatencyProfile, target_ms: float, config: HandlerConfig, fi
 
 def _plan_buckets(profile: LatencyProfile, edges, lanes, config: HandlerConfig, target_ms: float,
                   wait_ms: float, budget: float) -> tuple[BucketPlan, ...]:
-    """Each bucket's cap: the measured batch with the most requests/s whose p90 fits `budget`."""
+    """Each bucket's cap: the largest measured batch near the most requests/s whose p90 fits `budget`
+    (choose_cap)."""
     smooth = monotone(profile.own_shapes())
     # out of memory while profiling: a bucket not even one request fit in gets no cap (its requests get 507)
     unfit = tuple(b for b in edges if profile.oom_caps.get(b) == 0)

@@ -71,6 +71,18 @@ def test_cap_is_the_size_with_the_most_requests_per_second_within_the_budget():
     assert (best.batch, why) == (4, "largest measured")
 
 
+def test_sizes_the_profile_cannot_tell_apart_take_the_larger_one():
+    """fc-v1300's bucket 16: batch 8 in 34.694 ms and 16 in 69.427 serve the same requests/s (0.06%
+    apart); a live pass also carries its lane's own work, which the larger batch spreads further."""
+    shapes = [ShapeTiming(1, 16, 10.267, 11.046, 3, 10), ShapeTiming(8, 16, 34.694, 35.998, 3, 35),
+              ShapeTiming(16, 16, 69.427, 72.132, 3, 69)]
+    best, why = choose_cap(shapes, budget_ms=100)
+    assert (best.batch, why) == (16, "largest measured")
+    slower = shapes[:2] + [ShapeTiming(16, 16, 34.694 * 2 * 1.05, 80, 3, 73)]  # 5% fewer requests/s at 16
+    best, why = choose_cap(slower, budget_ms=100)
+    assert (best.batch, why) == (8, "throughput")
+
+
 def test_cap_stops_at_the_first_size_over_the_budget():
     """The handler forms every power of two below its cap, so one slow size bounds the cap."""
     shapes = [ShapeTiming(1, 64, 10, 10, 3, 10), ShapeTiming(2, 64, 30, 90, 3, 30),
