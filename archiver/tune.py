@@ -46,7 +46,8 @@ MAX_WAIT_SHARE = 0.1  # max_wait_ms never takes more than this share of the targ
 # batch sizes whose requests/s lie within this share of the best count as equal, and the largest
 # of them is the cap: the profile times the forward alone, a live pass also carries its lane's own
 # work (padding, outputs, replies), which a larger batch spreads over more requests; closer than
-# this the profile cannot tell sizes apart (median against p90: 2-6% on fc-v1300). Measured:
+# this the profile cannot tell sizes apart (p90 over median: 2% in the median shape of fc-v1300's
+# mix profile, up to 14%). Measured:
 # docs/experiments.md, 12-07 00:14
 NEAR_THROUGHPUT = 0.03
 INTAKE_ROOM = 32  # continuous mode: requests a full worker still takes in (to answer 503 itself)
