@@ -47,8 +47,7 @@ MAX_WAIT_SHARE = 0.1  # max_wait_ms never takes more than this share of the targ
 # of them is the cap: the profile times the forward alone, a live pass also carries its lane's own
 # work (padding, outputs, replies), which a larger batch spreads over more requests; closer than
 # this the profile cannot tell sizes apart (p90 over median: 2% in the median shape of fc-v1300's
-# mix profile, up to 14%). Measured:
-# docs/experiments.md, 12-07 00:14
+# mix profile, up to 14%). Measured: docs/experiments.md, 12-07 00:14
 NEAR_THROUGHPUT = 0.03
 INTAKE_ROOM = 32  # continuous mode: requests a full worker still takes in (to answer 503 itself)
 MODES = ("continuous", "async")
@@ -86,7 +85,12 @@ class BucketPlan:
 
     @property
     def requests_per_s(self) -> float:
-        return 1000.0 * self.batch / self.median_ms if self.median_ms > 0 else math.inf
+        return requests_per_s(self.batch, self.median_ms)
+
+
+def requests_per_s(batch: int, median_ms: float) -> float:
+    """What back-to-back passes of `batch` requests, `median_ms` each, serve a second (inf: untimed)."""
+    return 1000.0 * batch / median_ms if median_ms > 0 else math.inf
 
 
 @dataclass(frozen=True)
@@ -237,12 +241,9 @@ def choose_cap(shapes: list[ShapeTiming], budget_ms: float) -> tuple[ShapeTiming
         allowed.append(shape)
     if not allowed:
         raise ValueError("no allowed size")  # callers check batch 1 first
-
-    def rate(s: ShapeTiming) -> float:
-        return s.batch / s.median_ms if s.median_ms > 0 else math.inf
-
-    top = max(rate(s) for s in allowed)
-    best = max((s for s in allowed if rate(s) >= (1 - NEAR_THROUGHPUT) * top), key=lambda s: s.batch)
+    top = max(requests_per_s(s.batch, s.median_ms) for s in allowed)
+    best = max((s for s in allowed if requests_per_s(s.batch, s.median_ms) >= (1 - NEAR_THROUGHPUT) * top),
+               key=lambda s: s.batch)
     if best is not allowed[-1]:
         limited = "throughput"
     elif len(allowed) < len(shapes):
@@ -318,9 +319,9 @@ def tune(profile: LatencyProfile, target_ms: float, machine: Machine, config: Ha
         "buckets": Choice(edges_per_size(edges), "the buckets the profile measured: caps are per bucket, so serving "
                                        "uses the same edges"),
         "batch_caps": Choice({config_key(p.bucket): p.batch for p in plans},
-                             f"per bucket, the largest measured batch size within {NEAR_THROUGHPUT:.0%} of the most requests/s "
-                             f"whose p90 fits "
-                             f"the per-pass budget (target {target_ms:g} - max_wait {wait_ms - intake_ms:g}"
+                             f"per bucket, the largest measured batch size within {NEAR_THROUGHPUT:.0%} of the most "
+                             f"requests/s whose p90 fits the per-pass budget (target {target_ms:g} - max_wait "
+                             f"{wait_ms - intake_ms:g}"
                              + (f" - poll {intake_ms:g}" if intake_ms else "") + f") / 2 = {budget:.1f} ms: then "
                              "p99 <= " + ("poll + " if intake_ms else "") + "max_wait + one pass ahead + its own pass"
                              + memory),

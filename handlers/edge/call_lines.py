@@ -9,8 +9,9 @@ parses and logs each one:
 - the PredictionTime metric (ts/service.py), a gauge of how long the call took, its line carrying
   the id of every request the worker holds (a held request is re-sent with each call).
 That work runs beside the passes; while a pass runs on every core (`borrow_cores`) it takes a core
-from the pass's team on each call (docs/experiments.md, 12-06 20:15 and 20:34). `quiet_calls` drops the first and emits the second
-at most once a second: the gauge a scrape reads stays current to the second.
+from the pass's team on each call (docs/experiments.md, 12-06 20:15 and 20:34). `quiet_calls`
+drops the first and emits the second at most once a second: the gauge a scrape reads stays
+current to the second.
 """
 from __future__ import annotations
 
