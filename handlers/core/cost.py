@@ -6,7 +6,7 @@ can never be swapped unnoticed. 0.0 means "the profile does not know this shape"
 it as unknown, never as free.
 
 Also here, because they are arithmetic over pass times: a lane's pace (how much slower its passes
-run served than alone in warmup) and how long a lane takes to get through its queue when earlier
+run served than alone in warmup) and how long a lane takes to get through its queue when other
 lanes help (`finish_in`).
 
 Pure: no torch, no clock, no threads.
@@ -14,7 +14,7 @@ Pure: no torch, no clock, no threads.
 from __future__ import annotations
 
 import math
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, NamedTuple, Sequence
 
 from tsbatch.warmup.plan import Bucket
 
@@ -110,7 +110,7 @@ BUSY_HORIZON = 2.0  # seconds over which a lane's record of its busy time fades
 class LaneLoad:
     """One lane's recent passes: how long they took against the profile (`pace`: warmup times
     every pass alone, served it runs beside the other lane and TorchServe's threads) and how much
-    of the lane's time its own work took (`idle_share`, the rest is what it can give a lane behind)."""
+    of the lane's time its own work took (`idle_share`, the rest is what it can give another lane)."""
 
     def __init__(self):
         self.pace = 1.0
@@ -119,8 +119,8 @@ class LaneLoad:
 
     def ran(self, seconds: float, typical: float, now: float, own: bool = True) -> None:
         """A pass ended at `now` after `seconds`; `typical`: its median in the profile (0:
-        unknown, the pace stays); `own`: of this lane's buckets or an earlier lane's (helping a
-        later lane is time it had to spare)."""
+        unknown, the pace stays); `own`: of this lane's buckets (running another lane's passes is
+        time it had to spare)."""
         if typical > 0:
             ratio = min(PACE_BOUNDS[1], max(PACE_BOUNDS[0], seconds / typical))
             self.pace += PACE_WEIGHT * (ratio - self.pace)
@@ -140,16 +140,30 @@ class LaneLoad:
             self.seen = now
 
 
-def finish_in(own: float, behind: float, helpers: Sequence[tuple[float, float]] = ()) -> float:
+class Helper(NamedTuple):
+    """Another lane as `finish_in` counts it: through its own work in `ready` seconds, then giving
+    `share` of its time (its idle share) while more than `below` seconds of the lane's work are
+    left (an earlier lane takes over only from a lane that fell behind; a later lane runs an earlier
+    lane's passes whenever it has none of its own)."""
+
+    ready: float
+    share: float
+    below: float = 0.0
+
+
+def finish_in(own: float, helpers: Sequence[Helper] = ()) -> float:
     """Seconds until a lane has run `own` seconds of work (the rest of its pass, its queue, the new
-    request's pass), when earlier lanes help with its queue while more than `behind` seconds of it
-    wait. `helpers`: (seconds until the helper is through its own work, its idle share). Helped, the
-    queue drains at 1 + the helpers' idle shares from when the first helper is free until `behind`
-    is left, then at the lane's own pace."""
-    if not helpers:
-        return own
-    free = min(ready for ready, _ in helpers)
-    share = sum(idle for _, idle in helpers)
-    if share <= 0 or own - free <= behind:
-        return own
-    return free + (own - free - behind) / (1 + share) + behind
+    request's pass) when other lanes help with its queue: it drains at 1 plus the shares of the
+    helpers that are through their own work and still helping, at its own pace otherwise."""
+    clock, left = 0.0, own
+    while left > _EPS:
+        helping = [h for h in helpers if h.share > 0 and h.ready <= clock and left > h.below + _EPS]
+        rate = 1 + sum(h.share for h in helping)
+        step = min([left / rate]  # done, or the next helper joins, or a helper stops
+                   + [h.ready - clock for h in helpers if h.share > 0 and h.ready > clock and left > h.below + _EPS]
+                   + [(left - h.below) / rate for h in helping])
+        clock, left = clock + step, left - step * rate
+    return clock
+
+
+_EPS = 1e-12  # seconds: below this a float's rounding, not work left

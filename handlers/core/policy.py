@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
 from tsbatch.handlers.core.buckets import Batch, Bucket, Item, batch_sizes, bucket_order, bucket_tokens, next_batch_size
-from tsbatch.handlers.core.cost import CostModel, LaneLoad, finish_in
+from tsbatch.handlers.core.cost import CostModel, Helper, LaneLoad, finish_in
 from tsbatch.handlers.core.errors import BadInput, Overloaded
 
 # a later lane is behind when its queue holds more than this many of its running pass's time
@@ -243,8 +243,9 @@ class Policy:
         """Refuse a ticket whose lane would run it past its deadline: the rest of the pass running
         now, then every queued pass of the lane's buckets with this ticket among them, at the sizes
         the lane will form them, each the cost model's typical time at the lane's recent pace, less
-        what earlier lanes would take over once it falls behind. An idle lane with nothing queued
-        never refuses."""
+        what the other lanes would take over (`Helper`): an earlier lane once this one falls behind,
+        a later lane whenever it has none of its own work. An idle lane with nothing queued never
+        refuses."""
         if ticket.deadline is None:
             return
         bucket = ticket.item.bucket
@@ -253,9 +254,10 @@ class Policy:
         if state.running is None and not any(self.queues[b] for b in state.buckets):
             return
         own = self._ahead(lane, now, joining=bucket)
-        helpers = [(self._ahead(h, now), self.lanes[h].load.idle_share(now)) for h in range(lane)]
         behind = BEHIND * state.load.pace * (state.typical or self.cost.typical(bucket=bucket, size=1))
-        done = finish_in(own, behind, helpers)
+        helpers = [Helper(self._ahead(h, now), self.lanes[h].load.idle_share(now), below=behind if h < lane else 0.0)
+                   for h in range(len(self.lanes)) if h != lane]
+        done = finish_in(own, helpers)
         if now + done > ticket.deadline:
             raise Overloaded(f"this worker has {done * 1000:.0f} ms of work ahead of this request with its own pass, "
                              f"more than its deadline allows: retry shortly", reason="deadline")
@@ -321,7 +323,7 @@ class Policy:
         """The lane's pass (if any) ended at `now`: it is free, and its pace learns how long it took."""
         state = self.lanes[plan.lane]
         if plan.batch is not None:
-            own = self.owner.get(state.running, 0) <= plan.lane  # not helping a later lane
+            own = self.owner.get(state.running, 0) == plan.lane  # not another lane's pass
             state.load.ran(now - plan.started, plan.typical, now, own=own)
         state.running = None
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from tsbatch.handlers.core.cost import BUSY_HORIZON, PACE_BOUNDS, CostModel, LaneLoad, finish_in
+from tsbatch.handlers.core.cost import BUSY_HORIZON, PACE_BOUNDS, CostModel, Helper, LaneLoad, finish_in
 from tsbatch.warmup.profile import LatencyProfile
 
 pytestmark = pytest.mark.unit
@@ -45,24 +45,34 @@ def test_passes_for_a_later_lane_are_not_own_work():
 
 
 @pytest.mark.parametrize("own, behind, helpers, expected", [
-    (1.0, 0.2, (), 1.0),  # no earlier lane
+    (1.0, 0.2, (), 1.0),  # no other lane
     (1.0, 0.2, ((0.0, 0.0),), 1.0),  # a helper with no time to spare
     (1.0, 0.2, ((0.0, 1.0),), 0.6),  # idle helper: 0.8 s shared by two lanes, then 0.2 s alone
     (1.0, 0.2, ((0.5, 1.0),), 0.85),  # the helper is through its own work at 0.5 s
     (1.0, 0.2, ((0.9, 1.0),), 1.0),  # ... at 0.9 s: only 0.1 s left then, not behind
     (1.0, 0.2, ((0.0, 0.5),), 0.2 + 0.8 / 1.5),
-    (1.0, 0.2, ((0.4, 0.5), (0.0, 0.5)), 0.2 + 0.8 / 2),  # two helpers: the first free, both shares
+    (1.0, 0.2, ((0.4, 0.5), (0.0, 0.5)), 0.4 + 0.2 / 2 + 0.2),  # the first joins at 0.4 s, with 0.4 s left
+    (1.0, 0.0, ((0.0, 1.0),), 0.5),  # a helper to the end (a later lane): two lanes throughout
+    (1.0, 0.0, ((0.5, 1.0),), 0.75),
 ])
 def test_finish_in(own, behind, helpers, expected):
-    assert finish_in(own, behind, helpers) == pytest.approx(expected)
+    assert finish_in(own, [Helper(ready, share, behind) for ready, share in helpers]) == pytest.approx(expected)
+
+
+def test_finish_in_with_an_earlier_lane_that_stops_and_a_later_one_that_does_not():
+    """An earlier lane helps until 0.2 s of work are left, a later one from 0.1 s to the end:
+    0.1 s at two lanes (0.2 done), then 0.6 at three, then the last 0.2 at two."""
+    helpers = [Helper(0.0, 1.0, below=0.2), Helper(0.1, 1.0)]
+    assert finish_in(1.0, helpers) == pytest.approx(0.1 + 0.6 / 3 + 0.2 / 2)
 
 
 def test_finish_in_never_exceeds_the_lane_alone_and_is_continuous_at_behind():
     for free in (0.0, 0.3, 0.79, 0.8, 0.81, 2.0):
         for share in (0.0, 0.25, 1.0):
-            assert finish_in(1.0, 0.2, [(free, share)]) <= 1.0 + 1e-12
-    assert finish_in(1.0, 0.2, [(0.8, 1.0)]) == pytest.approx(1.0)
-    assert finish_in(1.0, 0.2, [(0.8 - 1e-9, 1.0)]) == pytest.approx(1.0)
+            for below in (0.0, 0.2):
+                assert finish_in(1.0, [Helper(free, share, below)]) <= 1.0 + 1e-12
+    assert finish_in(1.0, [Helper(0.8, 1.0, 0.2)]) == pytest.approx(1.0)
+    assert finish_in(1.0, [Helper(0.8 - 1e-9, 1.0, 0.2)]) == pytest.approx(1.0)
 
 
 # -- CostModel -----------------------------------------------------------------------------------

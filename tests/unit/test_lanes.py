@@ -580,6 +580,30 @@ def test_a_request_whose_lane_has_more_work_queued_than_its_deadline_allows_is_r
     assert len(scheduler) == fits + 2
 
 
+@pytest.mark.parametrize("long_lane_busy, fits", [
+    (5.0, 8),  # the long lane busy with its own work throughout: the short lane alone, 8 passes of 125 ms
+    (1.0, 12),  # idle half the time: the queue drains at 1.5 lanes (1.5 s of passes end at 1.0 s)
+    (0.0, 16),  # idle: it runs every other short pass (2 s of passes end at 1.0 s)
+])
+def test_admission_counts_the_later_lane_that_runs_short_passes_whenever_it_has_none_of_its_own(long_lane_busy,
+                                                                                                 fits):
+    """With no long requests the long lane runs the short lane's passes (Policy._helped), so a short
+    request's deadline is checked against two lanes draining its queue, as far as the long lane's
+    own work leaves it idle; counting the short lane alone refused requests both lanes would have
+    served in time (short workload near its knee, docs/experiments.md 12-07 03:10)."""
+    scheduler = Policy(PolicySettings(edges=EDGES, max_wait=0.5, queue_cap=1000, age_bound=10.0,
+                                      priority_aging=0.0), lambda b: 1,
+                       CostModel(p90=lambda *, bucket, size: 0.125), lanes=split_lanes(EDGES, 128))
+    engine = Lanes(scheduler, FakeIsolator(), clock=lambda: 0.0, on_answer=lambda t, a: None)  # time stands still
+    scheduler.lanes[1].load.ran(long_lane_busy, 0.0, 0.0)  # the long lane's own passes, just ended
+    accepted = 0
+    with pytest.raises(Overloaded, match="ms of work ahead") as refused:
+        while accepted < 100:
+            engine.submit([Ticket(Item(index=0, text="short", length=10, bucket=16), 0.0, deadline=1.0)])
+            accepted += 1
+    assert accepted == fits and refused.value.reason == "deadline"
+
+
 def test_admission_charges_the_queue_at_the_pace_the_lane_runs_now():
     """A queue is charged at the profile's medians (8 passes of 125 ms fit a 1 s deadline; at the
     400 ms p90, 2 would), times the lane's pace: after passes that took twice their median, 4 fit."""
