@@ -151,19 +151,20 @@ class Helper(NamedTuple):
     below: float = 0.0
 
 
+_EPS = 1e-12  # seconds: below this a float's rounding, not work left
+
+
 def finish_in(own: float, helpers: Sequence[Helper] = ()) -> float:
     """Seconds until a lane has run `own` seconds of work (the rest of its pass, its queue, the new
     request's pass) when other lanes help with its queue: it drains at 1 plus the shares of the
     helpers that are through their own work and still helping, at its own pace otherwise."""
     clock, left = 0.0, own
     while left > _EPS:
-        helping = [h for h in helpers if h.share > 0 and h.ready <= clock and left > h.below + _EPS]
+        still = [h for h in helpers if h.share > 0 and left > h.below + _EPS]  # helping now or later
+        helping = [h for h in still if h.ready <= clock]
         rate = 1 + sum(h.share for h in helping)
         step = min([left / rate]  # done, or the next helper joins, or a helper stops
-                   + [h.ready - clock for h in helpers if h.share > 0 and h.ready > clock and left > h.below + _EPS]
+                   + [h.ready - clock for h in still if h.ready > clock]
                    + [(left - h.below) / rate for h in helping])
         clock, left = clock + step, left - step * rate
     return clock
-
-
-_EPS = 1e-12  # seconds: below this a float's rounding, not work left
