@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import zipfile
 import subprocess
 import sys
@@ -132,6 +133,14 @@ def tuned_model_config(store: str) -> dict:
         return yaml.safe_load(mar.read("model-config.yaml"))
 
 
+def keep_profile(store: str, out: str, workload: str) -> str:
+    """The profile arm t was tuned from, when this run took it, beside the report: the run can then
+    be simulated with the very passes its archive was tuned on (bench/validate_sim.py --profile)."""
+    kept = os.path.join(out, f"profile-{workload}.json")
+    shutil.copyfile(os.path.join(store, "arm_t.latency_profile.json"), kept)
+    return kept
+
+
 def served_section(store: str, arms: list[str]) -> dict:
     """The handler section the ceiling's shapes come from: the tuned arm's own model-config.yaml
     (read from its .mar) when it is served, else the template's."""
@@ -195,6 +204,8 @@ def main(argv=None) -> int:
         section = served_section(store, arms)
         if "t" in arms:  # what the tuner shipped, so the simulator can serve this very configuration later
             report["tuned_model_config"] = tuned_model_config(store)
+            if not args.profile:
+                report["profile"] = keep_profile(store, args.out, args.workload)
         with server.local_server(os.path.join(root, "server"), store, [f"arm_{a}" for a in arms],
                                  timeout=900, max_request_size=1 << 22) as served:
             urls = {arm: f"{served.inference}/predictions/arm_{arm}" for arm in arms}

@@ -3,6 +3,7 @@ benchmark's grid points, the shapes and texts the served warmup benchmark sends,
 report names."""
 from __future__ import annotations
 
+import json
 import os
 import zipfile
 
@@ -11,7 +12,7 @@ import yaml
 
 from bench.loadtest import proc
 from bench.loadtest.workload import token_counter
-from bench.run import command_of
+from bench.run import command_of, keep_profile
 from bench.tune_bench import grid_point
 from bench.warmup_served import shapes_of, texts
 
@@ -119,3 +120,12 @@ def test_overload_sums_each_class_s_statuses_over_rounds_and_names_every_arm_in_
     text = markdown(report)
     assert "| 130 | before |" in text and "| 22 / 5 / 0 | 3 / 0 / 3 |" in text
     assert "**before**: def two" in text
+
+
+def test_a_run_keeps_the_profile_its_tuned_arm_was_built_from_beside_its_report(tmp_path):
+    store, out = tmp_path / "store", tmp_path / "out"
+    store.mkdir(), out.mkdir()
+    (store / "arm_t.latency_profile.json").write_text('{"shapes": [{"bucket": 8, "batch": 1}]}')
+    kept = keep_profile(str(store), str(out), "two-cluster")
+    assert kept == str(out / "profile-two-cluster.json")
+    assert json.loads((out / "profile-two-cluster.json").read_text()) == {"shapes": [{"bucket": 8, "batch": 1}]}
