@@ -27,11 +27,13 @@ FILES = {"search": "bench-search.json", "short": "bench-short.json", "long": "be
 SHORT_P99_SHARE = 0.8  # the shipped archive's short p99 at 70% of first-come's capacity, at most this of first-come's
 
 
-def row(data: dict, light: dict | None) -> dict:
+def row(data: dict, light: dict | None, rounds_vs_b: list | None = None) -> dict:
+    """One arm's figures; `rounds_vs_b`: its short p99 at 70% over first-come's, each round, as make
+    bench's own ratios give it (bench/run.py ratios)."""
     at = data.get("at_70pct_b", {})
     out = {"capacity": data["capacity"], "capacity_at_least": bool(data.get("capacity_at_least")),
            "short_p50_at_70": at.get("short", {}).get("p50"), "short_p99_at_70": at.get("short", {}).get("p99"),
-           "short_p99_rounds": at.get("rounds_short_p99"),
+           "short_p99_rounds_vs_b": rounds_vs_b,
            "most_served": data["max_throughput"], "long_p50_light": None, "long_p99_light": None}
     if light:
         out["long_p50_light"], out["long_p99_light"] = light.get("long", {}).get("p50"), light.get("long", {}).get("p99")
@@ -57,17 +59,17 @@ def losses(workload: str, rows: dict[str, dict]) -> list[str]:
         bound = SHORT_P99_SHARE * first_come["short_p99_at_70"]
         if ours["short_p99_at_70"] > bound:
             out.append(f"{workload}: {shipped} short p99 at 70% of b's capacity {ours['short_p99_at_70']} ms > "
-                       f"{SHORT_P99_SHARE}x b's ({bound:.1f} ms)" + _each_round(ours, first_come))
+                       f"{SHORT_P99_SHARE}x b's ({bound:.1f} ms)" + _each_round(ours))
     return out
 
 
-def _each_round(ours: dict, first_come: dict) -> str:
+def _each_round(ours: dict) -> str:
     """The rounds' own ratios: a pooled p99 a single slow round sets reads differently from one every
     round shares, and the reader should see which."""
-    pairs = list(zip(ours.get("short_p99_rounds") or [], first_come.get("short_p99_rounds") or []))
-    if not pairs or not all(x and y for x, y in pairs):
+    each = ours.get("short_p99_rounds_vs_b") or []
+    if not each or not all(each):
         return ""
-    return "; each round " + ", ".join(f"{x / y:.2f}x" for x, y in pairs) + " b's"
+    return "; each round " + ", ".join(f"{x:.2f}x" for x in each) + " b's"
 
 
 def summarize(folder: str) -> dict:
@@ -81,7 +83,9 @@ def summarize(folder: str) -> dict:
             report = json.load(f)
         light = report.get("light") or {}
         lightest = light[min(light, key=float)] if light else {}
-        rows = {arm: row(data, lightest.get(arm)) for arm, data in report["arms"].items()}
+        each = report.get("ratios", {})
+        rows = {arm: row(data, lightest.get(arm), each.get(f"short p99 at 70% of b: {arm}/b, each round"))
+                for arm, data in report["arms"].items()}
         out["workloads"][workload] = {"when": report["when"], "command": report["command"], "rows": rows}
         out["losses"] += losses(workload, rows)
     return out

@@ -1,6 +1,7 @@
 """bench/summary.py: one table over the four workloads, and a line for every loss of the shipped arm."""
 import json
 
+from bench.run import ratios
 from bench.summary import losses, markdown, summarize
 
 
@@ -10,15 +11,18 @@ def arm(capacity, most, p50=30.0, p99=60.0, rounds=None):
 
 
 def report(arms, light=None):
-    return {"when": "2026-12-02 06:00 UTC", "command": "make bench", "arms": arms, **({"light": light} if light else {})}
+    """As make bench writes it, its ratios from bench/run.py itself."""
+    return {"when": "2026-12-02 06:00 UTC", "command": "make bench", "arms": arms, "ratios": ratios(arms),
+            **({"light": light} if light else {})}
 
 
 def test_every_loss_of_the_shipped_arm_is_named_and_a_win_is_not(tmp_path):
     (tmp_path / "bench-search.json").write_text(json.dumps(report(
-        {"b": arm(12, 20, p99=200.0, rounds=[200.0, 100.0]), "d": arm(30, 44),
+        {"b": arm(12, 20, p99=200.0, rounds=[200.0, 100.0]), "d": arm(30, 44, rounds=[60.0, 60.0]),
          "t": arm(24, 40, p99=170.0, rounds=[170.0, 60.0])},
         light={"14.0": {"t": {"long": {"p50": 90.0, "p99": 180.0}}}, "5.0": {"t": {"long": {"p50": 80.0, "p99": 150.0}}}})))
-    (tmp_path / "bench-short.json").write_text(json.dumps(report({"b": arm(100, 110, p99=100.0), "t": arm(120, 130, p99=50.0)})))
+    (tmp_path / "bench-short.json").write_text(json.dumps(report({"b": arm(100, 110, p99=100.0, rounds=[100.0]),
+                                                                  "t": arm(120, 130, p99=50.0, rounds=[50.0])})))
     summary = summarize(str(tmp_path))
     assert summary["missing"] == ["long", "two-cluster"]
     assert summary["losses"] == ["search: t capacity 24 < d's 30 req/s", "search: t most served 40 < d's 44 req/s",
@@ -38,6 +42,6 @@ def test_without_a_tuned_arm_the_template_is_the_shipped_one():
 
 
 def test_a_short_p99_loss_without_each_rounds_figures_names_none():
-    rows = {"b": {"capacity": 10, "most_served": 12, "short_p99_at_70": 100.0, "short_p99_rounds": [100.0]},
-            "t": {"capacity": 10, "most_served": 12, "short_p99_at_70": 90.0}}
+    rows = {"b": {"capacity": 10, "most_served": 12, "short_p99_at_70": 100.0},
+            "t": {"capacity": 10, "most_served": 12, "short_p99_at_70": 90.0, "short_p99_rounds_vs_b": [0.9, None]}}
     assert losses("short", rows) == ["short: t short p99 at 70% of b's capacity 90.0 ms > 0.8x b's (80.0 ms)"]
