@@ -8,6 +8,9 @@ lane or two, the deadline, one worker or one per core), and the simulator decide
 at the p99 target (refusals and 504s count as misses), then the lower short-request p99 at 70% of
 first-come's capacity. The template is always a candidate, so the shipped configuration is never
 predicted worse than it; one predicted worse than TorchServe's first-come batching is refused.
+Leads of one capacity step are common and mostly a profile's noise; served on other profiles of
+the same hour, neither preferring the template nor the lower p99 among near ties did better on both
+the mean and the worst case (docs/experiments.md, 12-07 12:32), so the plain order stands.
 Triton's Model Analyzer sweeps such candidates live for minutes; this takes seconds.
 
 Pure: no torch, no clock.
