@@ -239,7 +239,7 @@ def cmd_simulate(args) -> int:
         raise TuneError(str(error)) from None
     print(f"workload {args.workload!r}, {len(tokens)} lengths; {cores} cores; {args.duration:g} s per rate; "
           f"latency from arrival, ms")
-    print("  arm         rate  sent   200  503  504  short p50/p95/p99       long p50/p95/p99        padding")
+    print("  arm         rate  sent   200  503  504 late  short p50/p95/p99       long p50/p95/p99        padding")
     for rate in rates:
         for arm in arms:
             point = sim.at_rate(arm, rate, tokens, profiles, max_length, args.duration, args.seed, cores=cores,
@@ -247,7 +247,8 @@ def cmd_simulate(args) -> int:
             short, long = point.latency["short"], point.latency["long"]
             trio = lambda d: "/".join("-" if d[k] is None else f"{d[k]:g}" for k in ("p50", "p95", "p99"))  # noqa: E731
             print(f"  {arm.name:<10} {rate:>5g} {point.sent:>5} {point.ok:>5} {point.status.get('503', 0):>4} "
-                  f"{point.status.get('504', 0):>4}  {trio(short):<22}  {trio(long):<22}  {point.padding_waste}")
+                  f"{point.status.get('504', 0):>4} {point.late:>4}  {trio(short):<22}  {trio(long):<22}  "
+                  f"{point.padding_waste}")
     for arm in arms:
         found = sim.capacity(arm, tokens, profiles, max_length, args.target_ms, min(args.duration, 30.0), args.seed,
                              cores=cores, overheads=overheads)

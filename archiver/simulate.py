@@ -753,6 +753,7 @@ class Point:
     throughput: float
     padding_waste: float | None
     latency: dict  # "all" | "short" | "long" -> {"p50", "p95", "p99", "n", "pass_p50", "pass_p99"} in ms (pass_: its passes')
+    late: int = 0  # of the 504s, those whose pass ran (lanes.late): work done, then thrown away
 
     def passes(self, target_ms: float) -> bool:
         """Served within the target: every request answered 200 and p99 under it."""
@@ -786,8 +787,9 @@ def simulate(arm: Arm, arrivals: Sequence[Arrival], profiles: dict[int, object],
         passes = [o.pass_seconds * 1000 for o in ok if (kind == "all" or o.kind == kind) and o.pass_seconds]
         latency[kind]["pass_p50"] = round(percentile(passes, 50), 1) if passes else None
         latency[kind]["pass_p99"] = round(percentile(passes, 99), 1) if passes else None
+    late = sum(1 for o in outcomes if o.status == 504 and o.pass_seconds)
     return Point(rate, len(outcomes), len(ok), status, round(len(ok) / span, 2) if span > 0 else 0.0,
-                 round(1 - real / padded, 4) if padded else None, latency)
+                 round(1 - real / padded, 4) if padded else None, latency, late)
 
 
 def at_rate(arm: Arm, rate: float, tokens: Sequence[int], profiles, max_length: int, duration: float = 60.0,

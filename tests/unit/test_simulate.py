@@ -68,6 +68,16 @@ def test_latency_grows_with_load_and_past_capacity_requests_fail_or_queue():
     assert "lost" not in heavy.status
 
 
+def test_a_504_whose_pass_ran_is_counted_late_apart_from_one_that_expired_waiting():
+    tokens = workload_tokens("two-cluster")
+    tight = Arm("tight", config=HandlerConfig.from_yaml({"task": "embedding", "deadline_ms": 1000}), batch_size=96)
+    calm = at_rate(tight, 30, tokens, PROFILES, MAX_LENGTH, duration=20)
+    assert calm.ok == calm.sent and calm.late == 0
+    past = at_rate(tight, 120, tokens, PROFILES, MAX_LENGTH, duration=20)
+    # past capacity some requests expire in the queue and some passes end after their deadline
+    assert 0 < past.late < past.status.get("504", 0)
+
+
 def test_first_come_pads_to_the_longest_and_tsbatch_to_its_bucket():
     tokens = workload_tokens("two-cluster")
     ours = at_rate(TEMPLATE, 30, tokens, PROFILES, MAX_LENGTH, duration=20)
@@ -344,6 +354,7 @@ def test_the_simulate_command_prints_each_rate_and_each_arms_capacity(tmp_path, 
     profile.save(str(path))
     assert main(["simulate", "--profile", str(path), "--workload", "two-cluster", "--rates", "20", "--duration", "10"]) == 0
     out = capsys.readouterr().out
+    assert " 504 late " in out  # 504s whose pass ran, apart from those that expired waiting
     rows = [line.split() for line in out.splitlines() if line.strip().startswith(("tsbatch ", "first-come "))]
     assert [row[0] for row in rows] == ["tsbatch", "first-come"] and all(row[1] == "20" for row in rows)
     capacities = dict(line.split("capacity of ")[1].split(": ")[:2] for line in out.splitlines() if "capacity of" in line)
