@@ -476,6 +476,7 @@ class TsbatchWorker:
         self.returning = False  # a return is scheduled
         self.replied = -math.inf
         self.wakes = [0] * len(lanes)  # each lane's wake-up's number: a wake of an earlier wait is stale
+        self.watches = 0  # the deadline watcher's wake-up's number, alike
         self.passes: set[int] = set()  # the simulation's ids of this worker's running passes
 
     # the frontend's side
@@ -563,6 +564,23 @@ class TsbatchWorker:
         for lane, state in enumerate(self.policy.lanes):
             if state.running is None:
                 self._step(lane)
+        self._watch()
+
+    def _watch(self) -> None:
+        """Lanes' deadline watcher: while every lane is inside a pass, expire tickets when due."""
+        self.watches += 1
+        due = self.policy.until_expiry(self.sim.now) if all(self.policy.busy) else None
+        if due is not None:
+            watch = self.watches
+            when = max(self.sim.now + due, math.nextafter(self.sim.now, math.inf))
+            self.sim.at(when, lambda: self._watched(watch))
+
+    def _watched(self, watch: int) -> None:
+        if watch != self.watches or not all(self.policy.busy):
+            return
+        for ticket in self.policy.expire(self.sim.now):
+            self._finish(ticket, 504)
+        self._watch()
 
     def _step(self, lane: int) -> None:
         while True:
@@ -585,6 +603,7 @@ class TsbatchWorker:
     def _wake(self, lane: int, wake: int) -> None:
         if wake == self.wakes[lane] and self.policy.lanes[lane].running is None:
             self._step(lane)
+            self._watch()
 
     def _run(self, plan: Plan) -> None:
         batch = plan.batch

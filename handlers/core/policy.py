@@ -396,16 +396,21 @@ class Policy:
         """Seconds until some bucket in `buckets` stops holding, or any ticket must expire (in any
         bucket: an idle lane expires tickets a busy lane cannot get to); None: nothing to wait for."""
         allowed = self.settings.edges if buckets is None else tuple(buckets)
+        waits = [(self.release(bucket) if all(t.may_wait for t in queue) else now) - now
+                 for bucket, queue in self.queues.items() if queue and bucket in allowed]
+        expiry = self.until_expiry(now)
+        waits += [] if expiry is None else [expiry]
+        return max(0.0, min(waits)) if waits else None
+
+    def until_expiry(self, now: float) -> float | None:
+        """Seconds until `expire` would take some waiting ticket (0 or less: it would now); None: no
+        waiting ticket has a deadline."""
         waits = []
         for bucket, queue in self.queues.items():
-            if not queue:
-                continue
-            if bucket in allowed:
-                due = self.release(bucket) if all(t.may_wait for t in queue) else now
-                waits.append(due - now)
-            ahead = self._lead(bucket, len(queue))
-            waits.extend(t.deadline - ahead - now for t in queue if t.deadline is not None)
-        return max(0.0, min(waits)) if waits else None
+            if any(t.deadline is not None for t in queue):
+                ahead = self._lead(bucket, len(queue))
+                waits.append(min(t.deadline for t in queue if t.deadline is not None) - ahead - now)
+        return min(waits) if waits else None
 
     # -- holding for company -----------------------------------------------------------------------
 

@@ -2,9 +2,10 @@
 
 Each lane loops: ask the policy (handlers/core/policy.py) for its Plan under one lock, run it outside
 the lock (the 504s, then the batch through the worker's isolator), answer every ticket as soon as
-its batch ends, and tell the policy the pass finished. Nothing here decides what runs. A result
-that is ready only after its ticket's deadline is answered 504 instead, so no accepted request is
-ever answered late.
+its batch ends, and tell the policy the pass finished. While every lane is inside a pass, a
+watcher thread answers 504 what the policy expires meanwhile. Nothing here decides what runs. A
+result that is ready only after its ticket's deadline is answered 504 instead, so no accepted
+request is ever answered late.
 """
 from __future__ import annotations
 
@@ -59,6 +60,7 @@ class Lanes:
         self.threads = [threading.Thread(target=self._lane, args=(i,), name=f"tsbatch-lane-{i}", daemon=True)
                         for i in range(len(policy.lanes))]
         self._started = [threading.Event() for _ in self.threads]
+        self.watcher = threading.Thread(target=self._watch, name="tsbatch-deadlines", daemon=True)
 
     @property
     def buckets(self) -> list[tuple]:
@@ -72,6 +74,7 @@ class Lanes:
             thread.start()
         for started in self._started:
             started.wait()
+        self.watcher.start()
         return self
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -79,7 +82,7 @@ class Lanes:
         with self.cond:
             self.stopping = True
             self.cond.notify_all()
-        for thread in self.threads:
+        for thread in self.threads + [self.watcher]:
             if thread.is_alive():
                 thread.join(timeout)
 
@@ -111,6 +114,24 @@ class Lanes:
             except Exception:  # noqa: BLE001 - a lane must outlive any bug in one step
                 logger.exception("tsbatch lane %s: step failed", index)
                 time.sleep(0.01)
+
+    def _watch(self) -> None:
+        """Expire what can no longer finish in time while every lane is inside a pass. Only a lane
+        that steps expires tickets, so behind long passes a short deadline's 504 waited for the
+        first pass to end (1.28 s for 300 ms behind huge inputs, 12-07); an idle lane's own wait
+        already covers every deadline, so this one waits only while all lanes are busy."""
+        while True:
+            with self.cond:
+                if self.stopping:
+                    return
+                now = self.clock()
+                due = self.policy.until_expiry(now) if all(self.policy.busy) else None
+                expired = self.policy.expire(now) if due is not None and due <= 0 else []
+                if not expired:
+                    self.cond.wait(timeout=None if due is None else max(due, 0.001))  # a submit or pass end wakes it
+                    continue
+            for ticket in expired:
+                self._answer(ticket, Answer(missed_deadline(), 0))
 
     def _step(self, index: int) -> None:
         with self.cond:

@@ -256,6 +256,25 @@ def test_a_ticket_whose_deadline_passes_while_waiting_gets_504_on_time(make_engi
     assert isolator.calls == []
 
 
+@pytest.mark.parametrize("lanes", [[EDGES], split_lanes(EDGES, 128)], ids=["one-lane", "two-lanes"])
+def test_a_deadline_that_passes_while_every_lane_is_inside_a_pass_is_answered_before_the_passes_end(
+        make_engine, lanes):
+    isolator = FakeIsolator(block=(64, 256))
+    engine, isolator, deliveries = make_engine(isolator, lanes=lanes, max_wait=30.0)
+    engine.submit([ticket(256)])  # fills a pass at one ticket: runs at once, and blocks
+    if len(lanes) > 1:
+        engine.submit([ticket(64) for _ in range(4)])  # cap 4: the short lane's pass, blocked too
+    assert _until(lambda: engine.busy == [True] * len(lanes)), "a lane never started its pass"
+    waiting = ticket(16, deadline_in=0.2)  # would wait 30 s for company
+    engine.submit([waiting])
+
+    outcome, size = deliveries.wait_ticket(waiting)
+    assert isinstance(outcome, DeadlineExceeded) and size == 0
+    assert not isolator.release.is_set() and len(deliveries.snapshot()) == 1  # every pass still running
+    isolator.release.set()
+    assert deliveries.wait_count(1 + (5 if len(lanes) > 1 else 1))
+
+
 def test_a_ticket_whose_pass_would_end_after_its_deadline_gets_504_without_running(make_engine):
     engine, isolator, deliveries = make_engine(  # a 256-token pass: 0.5 s
         max_wait=0.0, timing=CostModel(p90=lambda *, bucket, size: {256: 0.5}.get(bucket, 0.0)))

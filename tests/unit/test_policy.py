@@ -383,6 +383,18 @@ def test_expire_with_a_lead_removes_tickets_that_could_not_finish_in_time():
     assert sorted(ids(all_queued(s))) == sorted(ids([fine_short, fine_long]))
 
 
+def test_until_expiry_is_when_expire_would_take_the_first_ticket():
+    lead = {16: 0.1, 256: 0.5}.get
+    s = make_scheduler(policy(), cost=CostModel(p90=lambda *, bucket, size: lead(bucket, 0.0)))
+    s.submit_all([ticket(256, deadline=None)])
+    assert s.until_expiry(0.0) is None  # nothing with a deadline: nothing to watch for
+    s.submit_all([ticket(16, deadline=1.3), ticket(256, deadline=1.7)])  # due at 1.3 - 0.1 and 1.7 - 0.5
+    s.submit_all([ticket(16, deadline=1.25)])
+    assert s.until_expiry(1.0) == pytest.approx(0.15)  # 1.25 - 0.1 - 1.0
+    assert s.expire(1.14) == []
+    assert len(s.expire(1.15)) == 1 and s.until_expiry(1.15) == pytest.approx(0.05)  # then 1.3 - 0.1 and 1.7 - 0.5
+
+
 def test_expire_charges_the_pass_the_queue_would_form_not_the_cap():
     """A lone long request under a deadline shorter than a full pass at cap runs alone in time: it
     must not be expired (it was, when the lead was always the p90 at cap: 16 x 256 tokens)."""
