@@ -7,7 +7,10 @@ choice is one candidate among variations of it and of the template (batch caps, 
 lane or two, the deadline, one worker or one per core), and the simulator decides: highest capacity
 at the p99 target (refusals and 504s count as misses), then the lower short-request p99 at 70% of
 first-come's capacity. The template is always a candidate, so the shipped configuration is never
-predicted worse than it; one predicted worse than TorchServe's first-come batching is refused.
+predicted worse than it; one predicted worse than TorchServe's first-come batching by a capacity
+step (RESOLUTION) or more is refused. A smaller lead is inside the search's resolution: a profile
+taken on a busy host put first-come 2 req/s ahead of a shipped arm that live runs never lost with,
+and refusing there left the user with no archive (12-07), so it ships and its reason says so.
 Leads of one capacity step are common and mostly a profile's noise; served on other profiles of
 the same hour, neither preferring the template nor the lower p99 among near ties did better on both
 the mean and the worst case (docs/experiments.md, 12-07 12:32), so the plain order stands.
@@ -46,7 +49,7 @@ def search(tuning: Tuning, profile, section: Mapping[str, Any], workload: str = 
            overheads: Overheads | None = None, seed: int = 0) -> Tuning:
     """`tuning` with the candidate the simulator predicts best on `workload` (its handler keys and
     workers), every candidate's figures in `tuning.simulated`. TuneError when even the best is
-    predicted below first-come batching."""
+    predicted below first-come batching by RESOLUTION or more."""
     overheads = overheads or Overheads()
     edges = [s.bucket for s in profile.shapes]
     if not edges or not all(isinstance(b, int) for b in edges):
@@ -72,7 +75,7 @@ def search(tuning: Tuning, profile, section: Mapping[str, Any], workload: str = 
         rated.append(replace(candidate, capacity=cap, short_p99_ms=point.latency["short"]["p99"]))
     best = max(rated, key=lambda c: (c.capacity, -(c.short_p99_ms or 1e9)))
     template = next(c for c in rated if c.name == "template")
-    if best.capacity < reference:
+    if reference - best.capacity >= RESOLUTION:
         raise TuneError(f"on workload {workload!r} the simulator predicts TorchServe's first-come batching serves "
                         f"{reference:g} req/s within {target:g} ms and tsbatch's best candidate ({best.name}) "
                         f"{best.capacity:g}: serve it in default mode (TorchServe's batching) or give a workload "
@@ -80,6 +83,9 @@ def search(tuning: Tuning, profile, section: Mapping[str, Any], workload: str = 
     why = (f"chosen by simulation of workload {workload!r} ({best.name}): {best.capacity:g} req/s within "
            f"{target:g} ms against the untuned template's {template.capacity:g} and first-come batching's "
            f"{reference:g} (archiver/tune_sim.py; every candidate in the header)")
+    if best.capacity < reference:
+        why += (f"; first-come's lead of {reference - best.capacity:g} req/s is within the search's resolution "
+                f"({RESOLUTION:g} req/s), which profiles of one hour disagree by: `make bench` tells them apart")
     handler = dict(tuning.handler)
     for key in ("batch_caps", "max_wait_ms", "deadline_ms"):
         if key not in section:

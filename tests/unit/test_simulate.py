@@ -345,7 +345,28 @@ def test_tuning_by_simulation_ships_a_candidate_no_worse_than_the_template_or_fi
     assert "max_wait_ms" not in {k for k, c in kept.handler.items() if "chosen by simulation" in c.reason}
 
 
+@pytest.mark.parametrize("lead", [2.0, 3.0])
+def test_tuning_refuses_only_when_first_come_leads_by_a_capacity_step_or_more(monkeypatch, lead):
+    """A smaller lead is within the capacity search's resolution: the archive ships, and says so."""
+    from tsbatch.archiver import tune_sim
+    from tsbatch.archiver.tune import Machine, TuneError, tune
+
+    assert tune_sim.RESOLUTION == 3.0
+    monkeypatch.setattr(tune_sim, "capacity", lambda arm, *args, **kw: 16.0 - (0 if arm.kind == "first-come" else lead))
+    profile = cpu_like(1)
+    profile.environment.update({"task": "embedding", "threads_per_bucket": {"8": 1}})
+    section = {"task": "embedding"}
+    analytic = tune(profile, 500.0, Machine(2), HandlerConfig.from_yaml(section))
+    if lead >= tune_sim.RESOLUTION:
+        with pytest.raises(TuneError, match="first-come batching serves 16 req/s"):
+            tune_sim.search(analytic, profile, section, "two-cluster")
+        return
+    chosen = tune_sim.search(analytic, profile, section, "two-cluster")
+    assert chosen.chosen and "first-come's lead of 2 req/s is within" in chosen.handler["max_wait_ms"].reason
+
+
 def test_the_simulate_command_prints_each_rate_and_each_arms_capacity(tmp_path, capsys):
+
     from tsbatch.archiver.cli import main
 
     profile = cpu_like(1)
