@@ -407,9 +407,9 @@ class Policy:
         waiting ticket has a deadline."""
         waits = []
         for bucket, queue in self.queues.items():
-            if any(t.deadline is not None for t in queue):
-                ahead = self._lead(bucket, len(queue))
-                waits.append(min(t.deadline for t in queue if t.deadline is not None) - ahead - now)
+            deadlines = [t.deadline for t in queue if t.deadline is not None]
+            if deadlines:
+                waits.append(min(deadlines) - self._lead(bucket, len(queue)) - now)
         return min(waits) if waits else None
 
     # -- holding for company -----------------------------------------------------------------------
