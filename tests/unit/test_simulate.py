@@ -366,7 +366,6 @@ def test_tuning_refuses_only_when_first_come_leads_by_a_capacity_step_or_more(mo
 
 
 def test_the_simulate_command_prints_each_rate_and_each_arms_capacity(tmp_path, capsys):
-
     from tsbatch.archiver.cli import main
 
     profile = cpu_like(1)
