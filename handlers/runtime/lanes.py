@@ -120,18 +120,26 @@ class Lanes:
         that steps expires tickets, so behind long passes a short deadline's 504 waited for the
         first pass to end (1.28 s for 300 ms behind huge inputs, 12-07); an idle lane's own wait
         already covers every deadline, so this one waits only while all lanes are busy."""
-        while True:
-            with self.cond:
-                if self.stopping:
-                    return
-                now = self.clock()
-                due = self.policy.until_expiry(now) if all(self.policy.busy) else None
-                expired = self.policy.expire(now) if due is not None and due <= 0 else []
-                if not expired:
-                    self.cond.wait(timeout=None if due is None else max(due, 0.001))  # a submit or pass end wakes it
-                    continue
-            for ticket in expired:
-                self._answer(ticket, Answer(missed_deadline(), 0))
+        while not self.stopping:
+            try:
+                self._expire_due()
+            except Exception:  # noqa: BLE001 - like a lane, the watcher outlives any bug in one round
+                logger.exception("tsbatch deadline watcher: round failed")
+                time.sleep(0.01)
+
+    def _expire_due(self) -> None:
+        """One round: wait until a ticket falls due (or a submit or pass end), answer what did."""
+        with self.cond:
+            if self.stopping:
+                return
+            now = self.clock()
+            due = self.policy.until_expiry(now) if all(self.policy.busy) else None
+            expired = self.policy.expire(now) if due is not None and due <= 0 else []
+            if not expired:
+                self.cond.wait(timeout=None if due is None else max(due, 0.001))  # a submit or pass end wakes it
+                return
+        for ticket in expired:
+            self._answer(ticket, Answer(missed_deadline(), 0))
 
     def _step(self, index: int) -> None:
         with self.cond:
@@ -174,4 +182,7 @@ class Lanes:
 
     def _answer(self, ticket: Ticket, answer: Answer) -> None:
         answer_ticket(ticket, answer)
-        self.on_answer(ticket, answer)
+        try:  # a bug in metrics must not cost the answers of the batch's other tickets
+            self.on_answer(ticket, answer)
+        except Exception:  # noqa: BLE001
+            logger.exception("tsbatch: on_answer failed after the request was answered")

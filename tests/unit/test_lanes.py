@@ -16,6 +16,7 @@ from tsbatch.handlers.core.buckets import batch_cap, Item
 from tsbatch.handlers.core.cost import CostModel
 from tsbatch.handlers.core.errors import DeadlineExceeded, ModelFailed, Overloaded
 from tsbatch.handlers.core.policy import Policy, PolicySettings, Ticket, split_lanes
+from tsbatch.handlers.core.reply import Reply
 from tsbatch.handlers.edge.modes.continuous_mode import PACE_MAX_S, reply_pace
 from tsbatch.handlers.runtime.lanes import Lanes
 
@@ -273,6 +274,56 @@ def test_a_deadline_that_passes_while_every_lane_is_inside_a_pass_is_answered_be
     assert not isolator.release.is_set() and len(deliveries.snapshot()) == 1  # every pass still running
     isolator.release.set()
     assert deliveries.wait_count(1 + (5 if len(lanes) > 1 else 1))
+
+
+def test_an_on_answer_that_raises_costs_no_request_its_answer():
+    """on_answer is metrics: a bug there must not leave a batch's other requests unanswered, nor
+    stop the deadline watcher."""
+    def broken_metrics(ticket, answer):
+        raise RuntimeError("metrics exploded")
+
+    def replied(bucket: int, deadline_in: float | None = None) -> Ticket:
+        t = ticket(bucket, deadline_in)
+        return Ticket(t.item, t.arrived, deadline=t.deadline, reply=Reply())
+
+    isolator = FakeIsolator(block=(256,))
+    engine = Lanes(make_scheduler(policy(max_wait=30.0)), isolator, on_answer=broken_metrics).start()
+    try:
+        batch = [replied(64) for _ in range(4)]  # cap 4: one full pass
+        engine.submit(batch)
+        assert _until(lambda: all(t.reply.done() for t in batch)), "a ticket after the first lost its answer"
+        assert [t.reply.answer().outcome for t in batch] == [{"text": t.item.text} for t in batch]
+
+        engine.submit([replied(256)])  # the one lane enters a pass and stays there
+        assert _until(lambda: engine.busy == [True])
+        for _ in range(2):  # the watcher answers the second deadline too: the first raise did not end it
+            waiting = replied(16, deadline_in=0.2)
+            engine.submit([waiting])
+            assert _until(lambda: waiting.reply.done()), "the watcher died with the metrics"
+            assert isinstance(waiting.reply.answer().outcome, DeadlineExceeded)
+        assert not isolator.release.is_set()
+    finally:
+        isolator.release.set()
+        engine.stop(WAIT)
+
+
+def test_the_deadline_watcher_outlives_a_round_that_raises(make_engine):
+    engine, isolator, deliveries = make_engine(FakeIsolator(block=(256,)), max_wait=30.0)
+    until_expiry, calls = engine.policy.until_expiry, []
+
+    def fails_once(now):
+        calls.append(now)
+        if len(calls) == 1:
+            raise RuntimeError("policy bug")
+        return until_expiry(now)
+
+    engine.policy.until_expiry = fails_once
+    engine.submit([ticket(256)])
+    assert _until(lambda: engine.busy == [True] and calls), "the watcher never looked"
+    waiting = ticket(16, deadline_in=0.2)
+    engine.submit([waiting])
+    outcome, _ = deliveries.wait_ticket(waiting)
+    assert isinstance(outcome, DeadlineExceeded) and not isolator.release.is_set()
 
 
 def test_a_ticket_whose_pass_would_end_after_its_deadline_gets_504_without_running(make_engine):
