@@ -108,23 +108,22 @@ class Lanes:
             logger.exception("tsbatch lane %s: start failed", index)
         finally:
             self._started[index].set()
-        while not self.stopping:
-            try:
-                self._step(index)
-            except Exception:  # noqa: BLE001 - a lane must outlive any bug in one step
-                logger.exception("tsbatch lane %s: step failed", index)
-                time.sleep(0.01)
+        self._until_stopped(lambda: self._step(index), f"lane {index}: step")
 
     def _watch(self) -> None:
         """Expire what can no longer finish in time while every lane is inside a pass. Only a lane
         that steps expires tickets, so behind long passes a short deadline's 504 waited for the
         first pass to end (1.28 s for 300 ms behind huge inputs, 12-07); an idle lane's own wait
         already covers every deadline, so this one waits only while all lanes are busy."""
+        self._until_stopped(self._expire_due, "deadline watcher: round")
+
+    def _until_stopped(self, round_: Callable[[], None], what: str) -> None:
+        """Run `round_` again and again until stop(): a lane or the watcher outlives any bug in one round."""
         while not self.stopping:
             try:
-                self._expire_due()
-            except Exception:  # noqa: BLE001 - like a lane, the watcher outlives any bug in one round
-                logger.exception("tsbatch deadline watcher: round failed")
+                round_()
+            except Exception:  # noqa: BLE001
+                logger.exception("tsbatch %s failed", what)
                 time.sleep(0.01)
 
     def _expire_due(self) -> None:
