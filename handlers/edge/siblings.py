@@ -11,8 +11,11 @@ Every worker of one model shares the extracted archive directory. Each one holds
 exits, however it dies (SIGKILL, OOM killer, scale-down), so a file whose lock can be taken is a
 dead worker's and is removed. No pids are trusted, so pid reuse cannot fake a sibling.
 
-A new worker joins at the start of initialize(), seconds before it can poll for requests (it
-loads and warms first), so its siblings stop returning early before it could take the lock.
+A new worker joins at the start of initialize() marked as loading, and says it is ready at the
+end, `READY_MARGIN_S` before initialize() returns and it can first poll. A loading sibling cannot
+hold the lock, so until then the serving workers go on answering as the model's only worker: a
+scale-up or a restart does not turn them into workers that answer each call whole, held to its
+slowest request, while TorchServe's queue grows unseen behind them (12-07 19:28, docs/experiments.md).
 Pure: no torch, no TorchServe; the clock is injected for tests.
 """
 from __future__ import annotations
@@ -27,6 +30,10 @@ from typing import Callable
 logger = logging.getLogger(__name__)
 
 FOLDER = ".tsbatch-workers"
+# the first byte of a worker's file: loading (joined, not polling yet), inside a call, polling
+LOADING, IN_CALL, POLLING = b"L", b"1", b"0"
+# a ready worker's siblings see it within their cache's ttl: it waits this long before it can poll
+READY_MARGIN_S = 1.0  # ample on an overcommitted host, where a call's return can lag its decision
 
 
 class Siblings:
@@ -39,6 +46,7 @@ class Siblings:
         self.name = f"{os.getpid()}-{uuid.uuid4().hex[:8]}.lock"
         self._fd: int | None = None
         self._count = 0
+        self._serving = 0  # of those, the ones past loading (they poll between calls)
         self._checked = float("-inf")
 
     def join(self) -> "Siblings":
@@ -48,7 +56,7 @@ class Siblings:
         staging = os.path.join(self.folder, self.name + ".new")
         fd = os.open(staging, os.O_CREAT | os.O_RDWR, 0o600)
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        os.pwrite(fd, b"1", 0)  # loading and warming: not polling, as busy as a call (in_call(False) once READY)
+        os.pwrite(fd, LOADING, 0)  # loading and warming: not polling, as busy as a call (ready() once done)
         os.rename(staging, os.path.join(self.folder, self.name))
         self._fd = fd
         self._checked = float("-inf")
@@ -71,13 +79,23 @@ class Siblings:
         now = self.clock()
         if not fresh and now - self._checked < self.ttl:
             return self._count
-        count = sum(1 for name in self._others_files() if _alive(os.path.join(self.folder, name)))
+        states = [_state(path) for path in (os.path.join(self.folder, name) for name in self._others_files())
+                  if _alive(path)]
+        count = len(states)
         if not fresh:  # a fresh count is for a one-off decision; the cache keeps its own schedule
-            self._count, self._checked = count, now
+            self._count, self._serving, self._checked = count, sum(s != LOADING for s in states), now
         return count
 
     def alone(self) -> bool:
-        return self.others() == 0
+        """No sibling can poll TorchServe's queue: none, or only ones still loading (they share
+        the cores, `others`, but cannot strand this worker's requests)."""
+        self.others()
+        return self._serving == 0
+
+    def ready(self) -> None:
+        """Loaded and warm: from the next call on this worker polls between calls. Its siblings
+        read that within their ttl; the caller waits `READY_MARGIN_S` before it may poll."""
+        self.in_call(False)
 
     def _others_files(self) -> list[str]:
         """The other workers' registry files (none when the registry cannot be read)."""
@@ -91,20 +109,22 @@ class Siblings:
         that is not is polling TorchServe's queue, so that queue holds no backlog."""
         if self._fd is not None:
             try:
-                os.pwrite(self._fd, b"1" if busy else b"0", 0)
+                os.pwrite(self._fd, IN_CALL if busy else POLLING, 0)
             except OSError:
                 pass
 
     def any_idle(self) -> bool:
         """Whether some live sibling is outside a call (waiting for the next request)."""
-        for name in self._others_files():
-            try:
-                with open(os.path.join(self.folder, name), "rb") as f:
-                    if f.read(1) != b"1":
-                        return True
-            except OSError:
-                continue  # gone meanwhile
-        return False
+        return any(_state(os.path.join(self.folder, name)) == POLLING for name in self._others_files())
+
+
+def _state(path: str) -> bytes | None:
+    """A worker file's first byte (LOADING, IN_CALL, POLLING), None when it is gone."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(1)
+    except OSError:
+        return None
 
 
 def _alive(path: str) -> bool:

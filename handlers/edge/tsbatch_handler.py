@@ -25,7 +25,7 @@ from tsbatch.handlers.edge import backend_socket, call_lines, frontend_warmup
 from tsbatch.handlers.edge.config import HandlerConfig
 from tsbatch.handlers.edge.metrics import Metrics
 from tsbatch.handlers.edge.modes import make_mode, serving_mode
-from tsbatch.handlers.edge.siblings import Siblings, fit_threads, usable_cores
+from tsbatch.handlers.edge.siblings import READY_MARGIN_S, Siblings, fit_threads, usable_cores
 from tsbatch.handlers.runtime.memory import OOM_CAPS_FILE, apply_budget, load_caps
 from tsbatch.handlers.runtime.worker import Worker
 
@@ -102,7 +102,9 @@ class TsbatchHandler:
             metrics.cap(bucket, 0 if bucket in w.unfit else w.cap_for(bucket))
         self.mode = make_mode(mode, w, lanes)  # its lanes, if any, warm on their own threads first
         model.ready()
-        siblings.in_call(False)  # ready: from now on this worker polls for requests between calls
+        siblings.ready()  # from now on this worker polls for requests between calls
+        if siblings.others(fresh=True):  # until they see it, siblings may still return calls part-answered
+            time.sleep(READY_MARGIN_S)
         if config.fault_injection.enabled:
             logger.warning("fault injection is ON: %s", config.fault_injection)
         logger.info("tsbatch loaded %s mode=%s buckets=%s max_batch_tokens=%d %s in %.1fs",

@@ -9,11 +9,13 @@ a real torchserve.
 """
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
 
 from tsbatch.handlers.core.cost import CostModel
+from tsbatch.handlers.edge.siblings import Siblings
 from tests.support import ContinuousFrontend, SharedQueueFrontend, cosine, load_handler, scratch_dir
 
 pytestmark = pytest.mark.integration
@@ -106,6 +108,39 @@ def test_a_worker_alone_still_answers_a_short_request_during_a_long_pass(minilm_
         assert frontend.answered_at["short"] < min(frontend.answered_at[f"long{i}"] for i in range(8))
     finally:
         frontend.close()
+
+
+def test_a_worker_whose_only_sibling_is_still_loading_answers_as_the_only_worker(minilm_dir):
+    """A scale-up: the new worker has joined but loads and warms for seconds, unable to poll. The
+    serving worker keeps answering each request when its own pass ends (a short one during a long
+    pass), not each call whole; once the sibling is ready it answers calls whole again."""
+    (handler, context), = workers(minilm_dir, 1, poll_ms=5)
+    sibling = Siblings(os.path.dirname(handler.siblings.folder)).join()
+    frontend = SharedQueueFrontend([(handler, context)])
+
+    def short_during_long_passes(tag: str) -> bool:
+        """Whether the short request was answered before every long one."""
+        for i in range(8):
+            frontend.submit(f"{tag}-long{i}", LONG + f" {tag} {i}")
+        started = time.monotonic()
+        while not handler.mode.engine.busy[-1]:  # the long lane has started its pass
+            assert time.monotonic() - started < 30, "the long pass never started"
+            time.sleep(0.001)
+        frontend.submit(f"{tag}-short", f"a short request {tag}")
+        ids = [f"{tag}-short"] + [f"{tag}-long{i}" for i in range(8)]
+        assert frontend.wait(ids, timeout=60)
+        assert all(frontend.replies[i].status == 200 for i in ids)
+        return frontend.answered_at[f"{tag}-short"] < min(frontend.answered_at[i] for i in ids[1:])
+
+    try:
+        assert handler.siblings.others(fresh=True) == 1
+        assert short_during_long_passes("loading"), "a loading sibling made the worker answer calls whole"
+        sibling.ready()
+        time.sleep(2 * handler.siblings.ttl)
+        assert not short_during_long_passes("ready"), "with a serving sibling a call is answered whole"
+    finally:
+        frontend.close()
+        sibling.leave()
 
 
 def test_a_call_with_siblings_takes_in_only_what_fits_its_budget_and_sheds_the_rest(minilm_dir):

@@ -91,9 +91,37 @@ def test_a_sibling_outside_a_call_is_idle_and_a_warming_one_is_not(tmp_path):
     assert not first.any_idle()  # alone: no sibling at all
     second = Siblings(str(tmp_path)).join()
     assert not first.any_idle()  # joined: loading and warming, not polling yet
-    second.in_call(False)  # READY, waiting for requests
+    second.ready()  # READY, waiting for requests
     assert first.any_idle()
     second.in_call(True)
     assert not first.any_idle()
     second.leave()
     assert not first.any_idle()
+
+
+def test_a_loading_sibling_shares_the_cores_but_cannot_strand_requests(tmp_path):
+    """A sibling that is still loading cannot hold TorchServe's poll lock: this worker still
+    answers as the model's only worker (alone), while the cores are already shared (others)."""
+    me = Siblings(str(tmp_path), ttl=0).join()
+    sibling = Siblings(str(tmp_path), ttl=0).join()
+    assert me.others() == 1 and me.others(fresh=True) == 1
+    assert me.alone() and not me.any_idle()
+    sibling.ready()
+    assert not me.alone() and me.any_idle()
+    sibling.in_call(True)
+    assert not me.alone() and not me.any_idle()
+    sibling.leave()
+    assert me.alone()
+
+
+def test_alone_is_cached_with_the_count(tmp_path):
+    now = [0.0]
+    me = Siblings(str(tmp_path), ttl=0.2, clock=lambda: now[0]).join()
+    sibling = Siblings(str(tmp_path)).join()
+    assert me.alone()  # loading
+    sibling.ready()
+    now[0] = 0.1
+    assert me.alone()  # the cached view: why a ready worker waits READY_MARGIN_S before it polls
+    now[0] = 0.3
+    assert not me.alone()
+    sibling.leave()

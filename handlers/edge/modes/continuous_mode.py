@@ -4,8 +4,8 @@ TorchServe calls `handle` again and again with every request the worker holds pl
 A request is answered when its index is still in `context.request_ids` after the call; an index
 taken out gets no reply, so the frontend keeps that request and sends it again with the next call.
 - The model's only worker answers what is done and goes back for new arrivals, paced by its lanes
-  (`_wait_for_one`).
-- A worker with siblings answers every request of a call in that one reply (`_wait_for_all`):
+  (`_wait_for_one`). So does a worker whose siblings are all still loading (a scale-up, a restart).
+- A worker with serving siblings answers every request of a call in that one reply (`_wait_for_all`):
   TorchServe 0.12 re-polls a worker holding requests under the model-wide lock an idle sibling
   keeps while it waits for the next arrival (handlers/edge/siblings.py), and, when every worker is busy,
   sheds from full calls what cannot end within `max_call_ms` (`_fit_call`).
