@@ -97,17 +97,25 @@ def test_a_worker_alone_still_answers_a_short_request_during_a_long_pass(minilm_
     assert handler.siblings.alone()
     frontend = SharedQueueFrontend([(handler, context)])
     try:
-        for i in range(8):
-            frontend.submit(f"long{i}", LONG + f" {i}")
-        started = time.monotonic()
-        while not handler.mode.engine.busy[-1]:  # the long lane has started its pass
-            assert time.monotonic() - started < 30, "the long pass never started"
-            time.sleep(0.001)
-        frontend.submit("short", "a short request")
-        assert frontend.wait(["short"] + [f"long{i}" for i in range(8)], timeout=60)
-        assert frontend.answered_at["short"] < min(frontend.answered_at[f"long{i}"] for i in range(8))
+        assert short_answered_before_long_passes(handler, frontend, "alone")
     finally:
         frontend.close()
+
+
+def short_answered_before_long_passes(handler, frontend: SharedQueueFrontend, tag: str) -> bool:
+    """Eight long requests, then a short one once the long lane's pass has started: whether the
+    short one was answered before every long one (all answered 200)."""
+    for i in range(8):
+        frontend.submit(f"{tag}-long{i}", LONG + f" {tag} {i}")
+    started = time.monotonic()
+    while not handler.mode.engine.busy[-1]:  # the long lane has started its pass
+        assert time.monotonic() - started < 30, "the long pass never started"
+        time.sleep(0.001)
+    frontend.submit(f"{tag}-short", f"a short request {tag}")
+    ids = [f"{tag}-short"] + [f"{tag}-long{i}" for i in range(8)]
+    assert frontend.wait(ids, timeout=60)
+    assert all(frontend.replies[i].status == 200 for i in ids)
+    return frontend.answered_at[f"{tag}-short"] < min(frontend.answered_at[i] for i in ids[1:])
 
 
 def test_a_worker_whose_only_sibling_is_still_loading_answers_as_the_only_worker(minilm_dir):
@@ -117,27 +125,14 @@ def test_a_worker_whose_only_sibling_is_still_loading_answers_as_the_only_worker
     (handler, context), = workers(minilm_dir, 1, poll_ms=5)
     sibling = Siblings(os.path.dirname(handler.siblings.folder)).join()
     frontend = SharedQueueFrontend([(handler, context)])
-
-    def short_during_long_passes(tag: str) -> bool:
-        """Whether the short request was answered before every long one."""
-        for i in range(8):
-            frontend.submit(f"{tag}-long{i}", LONG + f" {tag} {i}")
-        started = time.monotonic()
-        while not handler.mode.engine.busy[-1]:  # the long lane has started its pass
-            assert time.monotonic() - started < 30, "the long pass never started"
-            time.sleep(0.001)
-        frontend.submit(f"{tag}-short", f"a short request {tag}")
-        ids = [f"{tag}-short"] + [f"{tag}-long{i}" for i in range(8)]
-        assert frontend.wait(ids, timeout=60)
-        assert all(frontend.replies[i].status == 200 for i in ids)
-        return frontend.answered_at[f"{tag}-short"] < min(frontend.answered_at[i] for i in ids[1:])
-
     try:
         assert handler.siblings.others(fresh=True) == 1
-        assert short_during_long_passes("loading"), "a loading sibling made the worker answer calls whole"
+        assert short_answered_before_long_passes(handler, frontend, "loading"), \
+            "a loading sibling made the worker answer calls whole"
         sibling.ready()
         time.sleep(2 * handler.siblings.ttl)
-        assert not short_during_long_passes("ready"), "with a serving sibling a call is answered whole"
+        assert not short_answered_before_long_passes(handler, frontend, "ready"), \
+            "with a serving sibling a call is answered whole"
     finally:
         frontend.close()
         sibling.leave()
