@@ -79,8 +79,8 @@ class Siblings:
         now = self.clock()
         if not fresh and now - self._checked < self.ttl:
             return self._count
-        states = [_state(path) for path in (os.path.join(self.folder, name) for name in self._others_files())
-                  if _alive(path)]
+        paths = (os.path.join(self.folder, name) for name in self._others_files())
+        states = [state for state in map(_live_state, paths) if state is not None]
         count = len(states)
         if not fresh:  # a fresh count is for a one-off decision; the cache keeps its own schedule
             self._count, self._serving, self._checked = count, sum(s != LOADING for s in states), now
@@ -127,26 +127,29 @@ def _state(path: str) -> bytes | None:
         return None
 
 
-def _alive(path: str) -> bool:
-    """True while the worker that created `path` lives (it holds the file's lock); a dead
-    worker's file is removed."""
+def _live_state(path: str) -> bytes | None:
+    """The state byte of a live worker's file (it holds the file's lock), read through the same
+    open; None when that worker is gone, and a dead worker's file is removed."""
     try:
         fd = os.open(path, os.O_RDWR)
     except OSError:
-        return False  # removed meanwhile: its worker left
+        return None  # removed meanwhile: its worker left
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        return True
+        try:
+            return os.pread(fd, 1, 0)
+        except OSError:
+            return b""  # alive, state unreadable: counted as serving, as a sibling always was
     except OSError:
-        return False
+        return None
     else:
         try:
             os.unlink(path)
         except OSError:
             pass
         logger.info("tsbatch: removed %s, left by a worker that is gone", os.path.basename(path))
-        return False
+        return None
     finally:
         os.close(fd)
 
